@@ -1,0 +1,85 @@
+"""Publish the actor's weights and version to a rollout engine after optimizer steps.
+
+Reusable in any Lightning project: it needs only an object satisfying :class:`WeightSink`, passed in
+or exposed by the DataModule as ``weight_sink``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+from torch import Tensor
+from typing_extensions import override
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """Anything that can take new weights, e.g. a rollout engine."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Replace the weights in place; ``version`` is the number of optimizer updates they include."""
+
+
+class WeightSync(pl.Callback):
+    """After every ``every_n_steps`` optimizer steps, stream ``named_parameters()`` to the sink.
+
+    The version published is ``trainer.global_step``, so delays ``tau = n - s`` mean the same on every
+    rank. The current weights are also published when training starts (after a checkpoint restore), so a
+    resumed run samples from the restored policy, not from the initial one.
+
+    Args:
+        sink: Where to send weights; ``None`` takes ``trainer.datamodule.weight_sink`` at setup.
+        every_n_steps: Publish period in optimizer steps.
+        prefix: Only parameters whose name starts with it are sent, with the prefix removed, so the sink
+            sees the names of the wrapped model (``"actor."`` for a module holding it as ``self.actor``;
+            ``""`` sends every parameter under its own name).
+    """
+
+    def __init__(self, sink: WeightSink | None = None, every_n_steps: int = 1, prefix: str = "actor.") -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.sink = sink
+        self.every_n_steps = every_n_steps
+        self.prefix = prefix
+        self.last_synced_step = -1
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.sink is None:
+            self.sink = getattr(trainer.datamodule, "weight_sink", None)
+        if not isinstance(self.sink, WeightSink):
+            raise TypeError(
+                "WeightSync needs a sink with load_weights(named_tensors, version): pass one, or give the "
+                f"DataModule a `weight_sink` attribute (got {type(self.sink).__name__})"
+            )
+
+    def publish(self, pl_module: pl.LightningModule, version: int) -> None:
+        cut = len(self.prefix)
+        named = ((name[cut:], p.detach()) for name, p in pl_module.named_parameters() if name.startswith(self.prefix))
+        self.sink.load_weights(named, version)
+        self.last_synced_step = version
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.publish(pl_module, trainer.global_step)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step != self.last_synced_step and step % self.every_n_steps == 0:
+            self.publish(pl_module, step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_synced_step": self.last_synced_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_synced_step = state_dict["last_synced_step"]

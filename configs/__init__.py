@@ -1,0 +1,1 @@
+"""YAML configs for LightningCLI, installed as package data so the embedded default ships with the wheel."""

@@ -1,0 +1,163 @@
+"""Rollout engines (DESIGN.md §5): sample G responses per prompt and record their behaviour log-probs.
+
+Every engine implements :class:`RolloutEngine`. The behaviour log-prob of a token is its log-probability
+under the distribution it was actually sampled from (temperature and top-p applied), which is what the
+learner's ratio ``pi_theta / pi_behaviour`` needs. Rewards are left at zero: the task scores them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from lit_gmc.batch import RolloutGroup
+from lit_gmc.data.tasks import Prompt
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy (log-probs then use the raw logits).
+
+    Attributes:
+        temperature: Softmax temperature; the paper uses 1.0.
+        top_p: Nucleus mass; the paper uses 1.0.
+        max_new_tokens: Completion budget ``T`` (the paper's 4,096).
+        seed: Seed of this call's sampling noise (same seed, same weights: same samples).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    seed: int = 0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """The one interface the DataModule and the evaluation callback use."""
+
+    @property
+    def version(self) -> int:
+        """Policy version (optimizer updates) of the weights currently used for sampling."""
+
+    def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
+        """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Replace the sampling weights in place and set ``version``."""
+
+    def close(self) -> None:
+        """Release the engine's resources; idempotent."""
+
+
+def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
+    """Mask of real response tokens (up to and including the first EOS) and finish reasons. ``(n, L)``."""
+    is_eos = tokens == eos_id  # (n, L)
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # (n, L): strictly after the first EOS
+    reasons = ["stop" if row.any() else "length" for row in is_eos]
+    return ~after_eos, reasons
+
+
+class HFEngine:
+    """transformers ``generate`` on a private behaviour copy of the actor (the CPU default).
+
+    Args:
+        model: The actor at version 0; the engine deep-copies it so the learner can keep training.
+        tokenizer: Its tokenizer (``pad_token_id`` and ``eos_token_id`` must be set).
+        batch_rows: Maximum rows (prompts x n) per ``generate`` call, to bound memory.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, batch_rows: int = 512) -> None:
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.batch_rows = batch_rows
+        self._version = 0
+        # Generation and weight loads may come from different threads (live schedule, evaluation).
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        with self._lock, torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
+                params[name].copy_(tensor.detach().to(params[name].device, params[name].dtype))
+            self._version = version
+
+    def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        per_call = max(1, self.batch_rows // n)
+        groups: list[RolloutGroup] = []
+        for start in range(0, len(prompts), per_call):
+            chunk = prompts[start : start + per_call]
+            groups.extend(self._generate(chunk, n, sampling, call_seed=sampling.seed + start))
+        return groups
+
+    def _generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int) -> list[RolloutGroup]:
+        tok = self.tokenizer
+        encoded = [torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"], dtype=torch.long) for p in prompts]
+        width = max(e.numel() for e in encoded)
+        device = next(self.model.parameters()).device
+        input_ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            input_ids[row, width - ids.numel() :] = ids
+            attention[row, width - ids.numel() :] = 1
+        greedy = sampling.temperature == 0
+        kwargs = {"do_sample": False} if greedy else {
+            "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
+        }
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+            torch.manual_seed(call_seed)
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                max_new_tokens=sampling.max_new_tokens,
+                num_return_sequences=n,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                **kwargs,
+            )
+            version = self._version
+        tokens = out.sequences[:, width:].cpu()  # (len(prompts) * n, L)
+        # Scores are the processed logits the sampler drew from (temperature, top-p); -inf where filtered.
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # (len(prompts) * n, L, V)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # (rows, L)
+        mask, reasons = _response_mask(tokens, tok.eos_token_id)
+        tokens = tokens.masked_fill(~mask, tok.pad_token_id)
+        logprobs = logprobs.masked_fill(~mask, 0.0)
+        groups = []
+        for b, prompt in enumerate(prompts):
+            rows = slice(b * n, (b + 1) * n)
+            groups.append(
+                RolloutGroup(
+                    prompt_id=prompt.id,
+                    prompt=prompt.text,
+                    answer=prompt.answer,
+                    prompt_ids=encoded[b],
+                    response_ids=tokens[rows].clone(),
+                    response_mask=mask[rows].clone(),
+                    behavior_logprobs=logprobs[rows].clone(),
+                    finish_reasons=reasons[rows],
+                    rewards=torch.zeros(n),
+                    version=version,
+                )
+            )
+        return groups
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,11 @@
+"""``python -m lit_gmc fit --config configs/tiny.yaml``: train with LightningCLI."""
+
+from lit_gmc.cli import GMCCLI
+
+
+def main() -> None:
+    GMCCLI()
+
+
+if __name__ == "__main__":
+    main()

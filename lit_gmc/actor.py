@@ -1,0 +1,154 @@
+"""The actor: any transformers causal LM by hub name or local path, or ``"tiny"``, built here in code.
+
+``"tiny"`` is a ~300k-parameter Qwen3-architecture model with a character tokenizer, given a short
+supervised warm start on the addition task so that RL has a reward signal from the first step (a random
+policy solves about one problem in 4,000). The warm-started model is saved once under the cache
+directory in the standard ``save_pretrained`` layout, so the learner, the HF engine and vLLM all load the
+same weights from disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+TINY_ALPHABET = "0123456789+-=*() abcdefghijklmnopqrstuvwxyz"
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that determines the tiny actor; its hash names the cache folder."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 64
+    max_operand: int = 69
+    warm_start_steps: int = 400
+    warm_start_lr: float = 3e-3
+    warm_start_batch: int = 64
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer (one token per character) with pad, EOS and unk tokens."""
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_tiny_model(recipe: TinyRecipe, vocab_size: int, pad_id: int, eos_id: int) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 with the recipe's shape (tied embeddings, fp32)."""
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.hidden_size // recipe.num_heads,
+        max_position_embeddings=recipe.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
+    torch.manual_seed(recipe.seed)
+    return Qwen3ForCausalLM(config)
+
+
+def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[float]:
+    """Supervised steps on the answer tokens (answer + EOS) of the addition task's training prompts.
+
+    Returns the loss per step. Only the training split is used, so held-out accuracy stays honest.
+    """
+    from lit_gmc.data.tasks import AdditionTask  # the tiny recipe is defined by this task
+
+    rows = list(AdditionTask(recipe.max_operand).train_prompts())
+    rng = random.Random(recipe.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.warm_start_lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    for _ in range(recipe.warm_start_steps):
+        picked = rng.sample(rows, recipe.warm_start_batch)
+        prompt_ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in picked]
+        answer_ids = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in picked]
+        width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids))
+        ids = torch.full((len(picked), width), tokenizer.pad_token_id)
+        labels = torch.full((len(picked), width), -100)
+        attention = torch.zeros((len(picked), width), dtype=torch.long)
+        for row, (p, a) in enumerate(zip(prompt_ids, answer_ids)):
+            ids[row, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[row, len(p) : len(p) + len(a)] = torch.tensor(a)
+            attention[row, : len(p) + len(a)] = 1
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LIT_GMC_CACHE", Path.home() / ".cache" / "lit_gmc"))
+
+
+def ensure_tiny_actor(recipe: TinyRecipe | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Build, warm-start and save the tiny actor once; later calls return the cached folder.
+
+    The folder is written under a temporary name and renamed into place, so a crash never leaves a
+    half-written actor that later runs would trust.
+    """
+    recipe = recipe or TinyRecipe()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"tiny-{recipe.key()}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(recipe, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    losses = warm_start(model, tokenizer, recipe)
+    staging = root / f".{target.name}.{os.getpid()}.tmp"
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / "lit_gmc_recipe.json").write_text(json.dumps({**asdict(recipe), "warm_start_final_loss": losses[-1]}))
+    try:
+        staging.rename(target)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+    return target
+
+
+def resolve_actor_path(actor: str) -> str:
+    """``"tiny"`` becomes the cached tiny actor's folder; anything else is a hub name or local path."""
+    return str(ensure_tiny_actor()) if actor == "tiny" else actor
+
+
+def load_actor(actor: str, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)``; the tokenizer gets a pad token (EOS) if it has none."""
+    path = resolve_actor_path(actor)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer

@@ -1,0 +1,46 @@
+"""The LightningCLI of lit_gmc: GMCModule + RolloutDataModule, linked options, one validation pass."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
+
+from lit_gmc.data.datamodule import RolloutDataModule, validate_data_args
+from lit_gmc.module import GMCModule, validate_model_args
+
+MODEL_CHECKED = ("correction", "eps", "aggregation", "lr", "warmup_fraction", "optimizer", "max_grad_norm",
+                 "micro_batch_groups", "logit_chunk_tokens", "dtype")  # fmt: skip
+DATA_CHECKED = ("task", "engine", "schedule", "delay", "inner_steps", "group_size", "batch_prompts",
+                "max_new_tokens", "temperature", "top_p", "total_updates")  # fmt: skip
+
+
+def embedded_default() -> str:
+    """Path of ``configs/tiny.yaml`` as installed (``lit_gmc.configs``), the defaults every run starts from."""
+    return str(files("lit_gmc.configs") / "tiny.yaml")
+
+
+class GMCCLI(LightningCLI):
+    """Links the options that must agree and reports every invalid option in one message."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        defaults = {"default_config_files": [embedded_default()]}
+        kwargs.setdefault("parser_kwargs", {cmd: defaults for cmd in ("fit", "validate", "test", "predict")})
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(GMCModule, RolloutDataModule, *args, **kwargs)
+
+    @override
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.actor", "data.actor")
+        parser.link_arguments("data.max_new_tokens", "model.max_response_length")
+        parser.link_arguments("data.temperature", "model.temperature")
+        parser.link_arguments("trainer.max_steps", "data.total_updates")
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        problems = validate_model_args(**{k: config.model[k] for k in MODEL_CHECKED})
+        problems += validate_data_args(**{k: config.data[k] for k in DATA_CHECKED})
+        if problems:
+            self.parser.error("invalid options:\n  " + "\n  ".join(problems))
