@@ -1,0 +1,46 @@
+"""Running delay moments: the paper's averaged moments ``tau_bar_p = (1/n) sum_{k<n} tau_k^p`` (eq. 11).
+
+``tau_k`` is the delay of update ``k``; when the groups of one update have different delays (the live
+schedule), update ``k`` contributes the mean of ``tau^p`` over its trajectories. ``tau_bar_4`` is what the
+convergence bound and Corollary 1's threshold ``eps* = Theta(tau_bar_4^(1/7) N^(-3/14))`` depend on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+
+class RunningDelayMoments:
+    """Accumulates ``tau_bar_2`` and ``tau_bar_4`` over updates; checkpointable."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.sum_p2 = 0.0
+        self.sum_p4 = 0.0
+
+    def update(self, delays: Tensor) -> None:
+        """Add one update whose trajectories have ``delays`` (any shape, non-negative)."""
+        d = delays.detach().double().flatten()
+        if d.numel() == 0:
+            raise ValueError("an update needs at least one delay")
+        if (d < 0).any():
+            raise ValueError(f"delays must be >= 0, got min {float(d.min())}")
+        self.updates += 1
+        self.sum_p2 += float((d**2).mean())
+        self.sum_p4 += float((d**4).mean())
+
+    @property
+    def tau2(self) -> float:
+        return self.sum_p2 / self.updates if self.updates else 0.0
+
+    @property
+    def tau4(self) -> float:
+        return self.sum_p4 / self.updates if self.updates else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates, "sum_p2": self.sum_p2, "sum_p4": self.sum_p4}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates, self.sum_p2, self.sum_p4 = state["updates"], state["sum_p2"], state["sum_p4"]
