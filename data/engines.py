@@ -125,7 +125,7 @@ class HFEngine:
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 max_new_tokens=sampling.max_new_tokens,
-                num_return_sequences=n,
+                num_return_sequences=1 if greedy else n,  # greedy copies would be identical: decode once
                 output_scores=True,
                 return_dict_in_generate=True,
                 pad_token_id=tok.pad_token_id,
@@ -133,9 +133,10 @@ class HFEngine:
                 **kwargs,
             )
             version = self._version
-        tokens = out.sequences[:, width:].cpu()  # (len(prompts) * n, L)
+        copies = n if greedy else 1
+        tokens = out.sequences[:, width:].cpu().repeat_interleave(copies, 0)  # (len(prompts) * n, L)
         # Scores are the processed logits the sampler drew from (temperature, top-p); -inf where filtered.
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # (len(prompts) * n, L, V)
+        scores = torch.stack(out.scores, dim=1).float().cpu().repeat_interleave(copies, 0)  # (len(prompts) * n, L, V)
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # (rows, L)
         mask, reasons = _response_mask(tokens, tok.eos_token_id)
         tokens = tokens.masked_fill(~mask, tok.pad_token_id)

@@ -108,4 +108,6 @@ class PromptStream:
         self._order = self._permutation(self.epoch)
 
 
-TASKS: dict[str, type] = {"addition": AdditionTask}
+from lit_gmc.data.math_data import MathTask  # noqa: E402  (math_data imports Prompt from here lazily)
+
+TASKS: dict[str, type] = {"addition": AdditionTask, "math": MathTask}

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from importlib.resources import files
 
+import torch
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 from lit_gmc.data.datamodule import RolloutDataModule, validate_data_args
+from lit_gmc.eps_schedules import validate_eps_schedule_args
 from lit_gmc.module import GMCModule, validate_model_args
 
 MODEL_CHECKED = ("correction", "eps", "aggregation", "lr", "warmup_fraction", "optimizer", "max_grad_norm",
                  "micro_batch_groups", "logit_chunk_tokens", "dtype")  # fmt: skip
+EPS_CHECKED = ("eps_schedule", "eps_scale", "eps_min", "eps_max")
 DATA_CHECKED = ("task", "engine", "schedule", "delay", "inner_steps", "group_size", "batch_prompts",
-                "max_new_tokens", "temperature", "top_p", "total_updates")  # fmt: skip
+                "max_new_tokens", "temperature", "top_p", "total_updates", "c_gen", "lam", "c_update", "max_launches",
+                "workers", "chunk_prompts", "max_staleness")  # fmt: skip
 
 
 def embedded_default() -> str:
@@ -36,11 +40,21 @@ class GMCCLI(LightningCLI):
         parser.link_arguments("data.max_new_tokens", "model.max_response_length")
         parser.link_arguments("data.temperature", "model.temperature")
         parser.link_arguments("trainer.max_steps", "data.total_updates")
+        parser.add_argument(
+            "--torch_num_threads",
+            type=int | None,
+            default=None,
+            help="torch intra-op threads for this process (null: torch's default). Tiny models run fastest on 1: "
+            "with more, threads spin-wait on each small kernel and a busy machine slows them many times over.",
+        )
 
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.torch_num_threads is not None:
+            torch.set_num_threads(config.torch_num_threads)
         problems = validate_model_args(**{k: config.model[k] for k in MODEL_CHECKED})
+        problems += validate_eps_schedule_args(**{k: config.model[k] for k in EPS_CHECKED})
         problems += validate_data_args(**{k: config.data[k] for k in DATA_CHECKED})
         if problems:
             self.parser.error("invalid options:\n  " + "\n  ".join(problems))

@@ -32,6 +32,8 @@ class PolicyTerms:
         rewards: ``(n,)`` rewards.
         delays: ``(n,)`` delay ``tau = n_step - s`` of each row (long).
         group_size: ``G``.
+        grad_norms_sq: ``(n,)`` exact ``||grad_theta log pi_theta(y_i)||^2`` per row, filled only for rules whose
+            entry sets ``needs_grad_norms`` (VCPO's baseline); ``None`` otherwise.
     """
 
     token_logprobs: Tensor
@@ -40,6 +42,7 @@ class PolicyTerms:
     rewards: Tensor
     delays: Tensor
     group_size: int
+    grad_norms_sq: Tensor | None = None
 
 
 @dataclass
@@ -88,12 +91,15 @@ class Correction:
         default_eps: Threshold used when the config leaves ``eps`` unset.
         aggregation: The loss aggregation its authors used (overridable in the config).
         step_rule: Factory of the optional :class:`StepRule` (one instance per module).
+        needs_grad_norms: The rule reads ``PolicyTerms.grad_norms_sq``; the module then computes them (costly:
+            one extra backward per trajectory), so only rules that need them ask.
     """
 
     fn: CorrectionFn
     default_eps: float
     aggregation: Aggregation
     step_rule: Callable[[], StepRule] | None = None
+    needs_grad_norms: bool = False
 
 
 CORRECTIONS: dict[str, Correction] = {}
@@ -161,3 +167,6 @@ register("gmc", Correction(gmc, default_eps=0.28, aggregation="seq_sum_over_T"))
 register("tic", Correction(tic, default_eps=0.28, aggregation="seq_sum_over_T"))
 register("is", Correction(importance_sampling, default_eps=0.28, aggregation="seq_sum_over_T"))
 register("grpo", Correction(grpo, default_eps=0.2, aggregation="seq_mean_token_mean"))
+
+# The baselines (VCPO, GAC, A-3PO, CISPO, TIS) register themselves; imported last because they build on the above.
+import lit_gmc.baselines  # noqa: E402, F401

@@ -18,6 +18,7 @@ from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
 from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
+from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
 
 AGGREGATIONS = ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
@@ -67,11 +68,19 @@ class GMCModule(pl.LightningModule):
 
     Args:
         actor: ``"tiny"`` (built in code), a transformers hub name, or a local path.
-        correction: Off-policy rule from the registry: ``gmc``, ``tic``, ``grpo``, ``is`` (and any registered).
-        eps: Threshold: the ``1 + eps`` cap for GMC/TIC, the PPO clip for GRPO; ``null`` takes the rule's
-            default (0.28 for GMC/TIC, 0.2 for GRPO).
+        correction: Off-policy rule from the registry: ``gmc``, ``tic``, ``grpo``, ``is``, ``vcpo``, ``gac``,
+            ``a3po``, ``cispo``, ``tis`` (and any registered).
+        eps: Threshold: the ``1 + eps`` cap for GMC/TIC, the PPO clip for GRPO/GAC/A-3PO, the truncation ``c``
+            for VCPO, ``eps_high`` (cap ``1 + eps``) for CISPO, the cap ``C`` for TIS; ``null`` takes the rule's
+            default (0.28 for GMC/TIC/CISPO, 0.2 for GRPO/GAC/A-3PO, 8 for VCPO, 2 for TIS).
         aggregation: ``seq_sum_over_T`` (the paper's 1/(T B G)), ``token_mean`` or ``seq_mean_token_mean``;
             ``null`` takes the rule's default.
+        eps_schedule: ``constant`` (``eps`` at every update) or ``corollary1``: ``eps_n = clip(eps_scale *
+            tau_bar_4^(1/7) * N^(-3/14), eps_min, eps_max)`` from the running fourth delay moment and
+            ``N = --trainer.max_steps`` (Corollary 1; ``eps`` is then unused). Logged as ``correction/eps``.
+        eps_scale: ``c`` of ``corollary1``; 0.375 gives the paper's 0.28 at the tiny default (delay 8, 1,000 updates).
+        eps_min: Lower clip of ``corollary1`` (on-policy data would otherwise get ``eps = 0``).
+        eps_max: Upper clip of ``corollary1``.
         max_response_length: ``T``, the loss normaliser (linked to ``--data.max_new_tokens``).
         temperature: Temperature of the behaviour policy (linked to ``--data.temperature``).
         lr: Peak learning rate.
@@ -92,6 +101,10 @@ class GMCModule(pl.LightningModule):
         correction: str = "gmc",
         eps: float | None = None,
         aggregation: str | None = None,
+        eps_schedule: str = "constant",
+        eps_scale: float = 0.375,
+        eps_min: float = 0.05,
+        eps_max: float = 2.0,
         max_response_length: int = 6,
         temperature: float = 1.0,
         lr: float = 2e-4,
@@ -111,12 +124,18 @@ class GMCModule(pl.LightningModule):
             optimizer=optimizer, max_grad_norm=max_grad_norm, micro_batch_groups=micro_batch_groups,
             logit_chunk_tokens=logit_chunk_tokens, dtype=dtype,
         )
+        problems += validate_eps_schedule_args(
+            eps_schedule=eps_schedule, eps_scale=eps_scale, eps_min=eps_min, eps_max=eps_max
+        )
         if problems:
             raise ValueError("invalid model options:\n  " + "\n  ".join(problems))
         self.save_hyperparameters()
         self.automatic_optimization = False  # micro-batched backward, and room for per-step rules
         self.rule = CORRECTIONS[correction]
         self.eps = eps if eps is not None else self.rule.default_eps
+        self.eps_schedule = build_eps_schedule(
+            eps_schedule, eps=self.eps, eps_scale=eps_scale, eps_min=eps_min, eps_max=eps_max
+        )
         self.aggregation = aggregation or self.rule.aggregation
         self.step_rule = self.rule.step_rule() if self.rule.step_rule is not None else None
         self.actor, _ = load_actor(actor, DTYPES[dtype])
@@ -124,7 +143,7 @@ class GMCModule(pl.LightningModule):
         if gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
 
-    def policy_terms(self, batch: RolloutBatch, logprobs: Tensor) -> PolicyTerms:
+    def policy_terms(self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None) -> PolicyTerms:
         return PolicyTerms(
             token_logprobs=logprobs,
             behavior_logprobs=batch.behavior_logprobs.to(logprobs.dtype),
@@ -132,16 +151,50 @@ class GMCModule(pl.LightningModule):
             rewards=batch.rewards.to(logprobs.dtype),
             delays=batch.delays(self.global_step),
             group_size=batch.group_size,
+            grad_norms_sq=grad_norms_sq,
         )
+
+    def trajectory_grad_norms_sq(self, part: RolloutBatch) -> Tensor:
+        """Exact ``||grad_theta log pi_theta(y_i | x_i)||^2`` of every row of ``part``: one backward per trajectory.
+
+        Each row is cut to its real tokens and run alone, so the extra cost is about one forward and backward of
+        the micro-batch at batch size 1. ``torch.autograd.grad`` returns the gradients without touching
+        ``.grad``, so the step's accumulated gradient is unaffected. Cheaper exact schemes (per-layer "ghost"
+        norms from activations and output gradients) need hooks for every layer type, which an arbitrary
+        transformers model does not guarantee. Under FSDP the per-row backward is collective and each rank
+        holds gradient shards: the squared norms would need an all-reduce (SUM) over the shard group.
+        Returns ``(n,)`` detached, in float32 or the actor's dtype if wider.
+        """
+        params = [p for p in self.actor.parameters() if p.requires_grad]
+        acc = torch.promote_types(params[0].dtype, torch.float32)  # bf16 gradients are squared and summed in fp32
+        norms = []
+        for row in range(part.rewards.numel()):
+            tokens = part.response_mask[row].nonzero()
+            if tokens.numel() == 0:  # an empty response has log pi = 0 and no gradient
+                norms.append(torch.zeros((), dtype=acc, device=params[0].device))
+                continue
+            first = int(part.attention_mask[row].nonzero()[0])  # skip the prompt's left padding
+            stop = part.prompt_width + int(tokens.max()) + 1  # and the response's right padding
+            ids = part.input_ids[row : row + 1, first:stop]  # (1, width)
+            logprobs, _ = response_logprobs(
+                self.actor, ids, part.attention_mask[row : row + 1, first:stop], part.prompt_width - first,
+                temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
+            )  # (1, length)
+            mask = part.response_mask[row : row + 1, : stop - part.prompt_width]  # (1, length)
+            grads = torch.autograd.grad(O.sequence_logprob(logprobs, mask).sum(), params, allow_unused=True)
+            norms.append(sum(g.to(acc).square().sum() for g in grads if g is not None))
+        return torch.stack(norms).detach()  # (n,)
 
     def micro_batch_loss(self, batch: RolloutBatch, part: RolloutBatch) -> tuple[Tensor, CorrectionOutput, Tensor, Tensor]:
         """Loss share of the groups in ``part`` (normalised for the whole ``batch``), the rule's outputs, and the
         detached token entropies and log-probs ``(n, L)`` of the current policy."""
+        # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
+        norms = self.trajectory_grad_norms_sq(part) if self.rule.needs_grad_norms else None  # (n,) or None
         logprobs, entropy = response_logprobs(
             self.actor, part.input_ids, part.attention_mask, part.prompt_width,
             temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
         )  # (n, L), (n, L)
-        out = self.rule.fn(self.policy_terms(part, logprobs), self.eps)
+        out = self.rule.fn(self.policy_terms(part, logprobs, norms), self.eps)
         loss = O.aggregate_loss(
             out.token_loss, part.response_mask, self.aggregation, max_length=self.hparams.max_response_length,
             total_sequences=batch.rewards.numel(), total_tokens=int(batch.response_mask.sum()),
@@ -152,6 +205,7 @@ class GMCModule(pl.LightningModule):
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict[str, Tensor]:
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
+        self.eps = self.eps_schedule.next_eps(batch.delays(self.global_step), self.trainer.max_steps)
         step = self.hparams.micro_batch_groups
         losses, outputs, entropies, logprobs = [], [], [], []
         for start in range(0, batch.num_groups, step):
@@ -199,6 +253,9 @@ class GMCModule(pl.LightningModule):
             "response_lengths": batch.response_mask.sum(-1),
             "delays": batch.delays(self.global_step),
             "entropy": entropy.detach(),  # (tokens,)
+            "correction/eps": log_rho.new_tensor(float(self.eps)),
+            # The schedule's bookkeeping (queue depth, drain flag), so callbacks need only this dict.
+            **{f"schedule/{k}": log_rho.new_tensor(float(v)) for k, v in batch.info.items()},
         }
         on_policy = batch.delays(self.global_step) == 0  # (N,): the learner's weights are the behaviour version
         if on_policy.any():
@@ -236,7 +293,11 @@ class GMCModule(pl.LightningModule):
         scalars.update({f"schedule/{k}": torch.tensor(v) for k, v in batch.info.items()})
         scalars.update({k: torch.tensor(v) for k, v in extra.items()})
         self.log_dict({k: v.float() for k, v in scalars.items()}, on_step=True, on_epoch=False, prog_bar=False)
+        # Shown by Lightning's (rich) progress bar; a bar callback in the config would break enable_progress_bar=false.
         self.log("reward", rewards.mean(), prog_bar=True, on_step=True, logger=False)
+        self.log("delay", delays.mean(), prog_bar=True, on_step=True, logger=False)
+        if "queue_depth" in batch.info:
+            self.log("queue", float(batch.info["queue_depth"]), prog_bar=True, on_step=True, logger=False)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -259,8 +320,11 @@ class GMCModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.step_rule is not None:
             checkpoint["step_rule"] = self.step_rule.state_dict()
+        checkpoint["eps_schedule"] = self.eps_schedule.state_dict()  # corollary1's running delay moments
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.step_rule is not None and "step_rule" in checkpoint:
             self.step_rule.load_state_dict(checkpoint["step_rule"])
+        if "eps_schedule" in checkpoint:
+            self.eps_schedule.load_state_dict(checkpoint["eps_schedule"])

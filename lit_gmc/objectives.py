@@ -74,13 +74,15 @@ def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
 def gmc_coefficients(log_rho: Tensor, group_size: int, eps: float) -> Tensor:
     """Group-mass-capped ratios (eq. 9, 12): ``rho_hat_i = rho_i / max(1, rho_bar / (1 + eps))``.
 
-    Computed as ``exp(log rho_i - max(0, log rho_bar - log(1 + eps)))``; the result is detached, because
-    the group factor is a constant of the estimator (Remark 7), and bounded by ``G (1 + eps)``.
-    The group mean of ``rho_hat`` is ``min(rho_bar, 1 + eps)``. Returns ``(N,)``.
+    In log space ``log rho_hat_i = log rho_i - max(0, log rho_bar - log(1 + eps))``, which equals
+    ``min(log rho_i, log_softmax_i(log rho) + log(G (1 + eps)))``: the second form never subtracts two huge
+    numbers, so it stays exact for log-ratios of any size. The result is detached, because the group
+    factor is a constant of the estimator (Remark 7), and bounded by ``G (1 + eps)``. The group mean of
+    ``rho_hat`` is ``min(rho_bar, 1 + eps)``. Returns ``(N,)``.
     """
-    log_rho = log_rho.detach()
-    excess = (group_log_mean_ratio(log_rho, group_size) - math.log1p(eps)).clamp(min=0.0)  # (B,)
-    return torch.exp(_groups(log_rho, group_size) - excess[:, None]).reshape(-1)  # (N,)
+    log_rho = _groups(log_rho.detach(), group_size)  # (B, G)
+    capped = torch.log_softmax(log_rho, dim=-1) + math.log(group_size * (1.0 + eps))  # (B, G)
+    return torch.exp(torch.minimum(log_rho, capped)).reshape(-1)  # (N,)
 
 
 def tic_coefficients(log_rho: Tensor, eps: float) -> Tensor:
@@ -159,15 +161,15 @@ def group_ess(log_rho: Tensor, group_size: int) -> Tensor:
 def removed_mass(log_rho: Tensor, coefficients: Tensor, group_size: int) -> Tensor:
     """Importance mass the correction removed, ``(1/G) sum_i (rho_i - c_i)`` (the bias bound of eq. 7). ``(B,)``.
 
-    Evaluated in float64 with the log-ratio capped at 700 so that a diverged ratio reads as a huge number
-    rather than inf.
+    Evaluated and returned in float64 with the log-ratio capped at 700, so that a diverged ratio reads as a
+    huge number rather than inf.
     """
     rho = torch.exp(log_rho.detach().double().clamp(max=700.0))  # (N,)
-    return (_groups(rho - coefficients.detach().double(), group_size).mean(-1)).float()  # (B,)
+    return _groups(rho - coefficients.detach().double(), group_size).mean(-1)  # (B,)
 
 
 def token_entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy ``H = logsumexp(z) - sum softmax(z) z`` of each row of logits ``(..., V)``. Returns ``(...)``."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     log_z = torch.logsumexp(logits, dim=-1)  # (...)
     return log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (...)

@@ -1,0 +1,296 @@
+"""Per-update diagnostics of off-policy group RL, logged from what ``training_step`` already computed.
+
+The callback runs no forward pass and knows no model: it reads the dict of detached tensors that
+``training_step`` returns (Lightning hands it to ``on_train_batch_end`` as ``outputs``), so any project
+whose training step returns the keys below can use it. Rows are group-major (row ``b * G + i`` is
+response ``i`` of group ``b``); ``N = B * G`` rows, ``B`` groups, and ``G`` is inferred as ``N / B``.
+
+Keys read (every key is optional; a diagnostic is logged when its inputs are present):
+
+=========================  ============  ==========================================================
+key                        shape         meaning
+=========================  ============  ==========================================================
+``log_rho``                ``(N,)``      trajectory log-ratio ``log pi_theta(y) - log pi_behaviour(y)``
+``log_rho_bar``            ``(B,)``      group log mean ratio ``logsumexp_i log rho_i - log G``
+``gmc_rescaled``           ``(B,)``      bool: GMC rescales the group (``rho_bar > 1 + eps``)
+``tic_dropped``            ``(N,)``      bool: TIC drops the trajectory (``rho > 1 + eps``)
+``removed_mass``           ``(B,)``      ``(1/G) sum_i (rho_i - c_i)``, importance mass the rule removed
+``ess``                    ``(B,)``      group effective sample size ``(sum rho)^2 / sum rho^2``
+``rewards``                ``(N,)``      rewards
+``response_lengths``       ``(N,)``      real response tokens per row
+``delays``                 ``(N,)``      delay ``tau = n - s`` of each row
+``entropy``                ``(tokens,)`` current policy's entropy at every real response token
+``schedule/draining``      ``()``        1 once the delay queue drains (no new generation)
+=========================  ============  ==========================================================
+
+Scalars go to every logger's ``log_metrics`` under ``{prefix}/...``, at the step Lightning logs the batch
+at. (Not through ``pl_module.log``: Lightning re-logs a value at later steps until it is logged again, which
+would repeat an undefined correlation or the one-off drain marker.) Histograms and the centred rolling mean
+of the entropy are written to the TensorBoard logger only. The centred mean of update ``n`` needs the
+entropies up to ``n + window // 2``, so it is written that many updates late (at step ``n``), and the last
+ones when training ends.
+Delay moments and delay histograms are not logged here (the delay accounting callback owns them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+ROW_KEYS = ("log_rho", "tic_dropped", "rewards", "response_lengths", "delays")
+GROUP_KEYS = ("log_rho_bar", "gmc_rescaled", "removed_mass", "ess")
+HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
+              "response_lengths": "response_length", "entropy": "entropy"}  # fmt: skip
+
+
+def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """Check the shapes of the known keys; returns ``(N, B)`` (None where no key of that kind is present).
+
+    Raises:
+        ValueError: naming the key, when a known key is not a tensor of the documented shape, when row keys
+            (or group keys) disagree in length, or when ``N`` is not a multiple of ``B``.
+    """
+    sizes: dict[str, dict[str, int]] = {"rows": {}, "groups": {}}
+    for kind, keys in (("rows", ROW_KEYS), ("groups", GROUP_KEYS)):
+        for key in keys:
+            if key not in stats:
+                continue
+            value = stats[key]
+            if not isinstance(value, Tensor) or value.dim() != 1:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"diagnostics key {key!r} must be a 1-D tensor ({kind}), got {shape}")
+            sizes[kind][key] = value.numel()
+        if len(set(sizes[kind].values())) > 1:
+            raise ValueError(f"diagnostics {kind} keys disagree in length: {sizes[kind]}")
+    for key in ("entropy", "schedule/draining"):
+        want = 1 if key == "entropy" else 0
+        if key in stats and (not isinstance(stats[key], Tensor) or stats[key].dim() != want):
+            raise ValueError(f"diagnostics key {key!r} must be a {want}-D tensor, got {stats[key]!r:.80}")
+    rows = next(iter(sizes["rows"].values()), None)
+    groups = next(iter(sizes["groups"].values()), None)
+    if rows is not None and groups is not None and (groups == 0 or rows % groups):
+        raise ValueError(f"diagnostics rows ({rows}, from {list(sizes['rows'])}) are not a multiple of groups "
+                         f"({groups}, from {list(sizes['groups'])})")  # fmt: skip
+    return rows, groups
+
+
+def pearson(x: Tensor, y: Tensor) -> float | None:
+    """Pearson correlation of two ``(N,)`` tensors over the pairs where both are finite.
+
+    Returns None when fewer than two pairs remain or either side is constant (the correlation is undefined,
+    e.g. the delay under a fixed-delay schedule).
+    """
+    x, y = x.detach().double().flatten(), y.detach().double().flatten()
+    keep = torch.isfinite(x) & torch.isfinite(y)  # (N,)
+    x, y = x[keep], y[keep]
+    if x.numel() < 2:
+        return None
+    dx, dy = x - x.mean(), y - y.mean()
+    denominator = math.sqrt(float((dx * dx).sum()) * float((dy * dy).sum()))
+    return float((dx * dy).sum()) / denominator if denominator > 0 else None
+
+
+def zero_variance_fraction(rewards: Tensor, group_size: int) -> float:
+    """Fraction of groups whose rewards all tie (their advantages are all 0: no learning signal)."""
+    grouped = rewards.detach().view(-1, group_size)  # (B, G)
+    return float((grouped == grouped[:, :1]).all(-1).float().mean())
+
+
+def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
+    """``[start, stop)`` of the centred window of width ``window`` around ``index`` in a series of ``count``.
+
+    It spans ``window // 2`` values before and ``window - 1 - window // 2`` after, cut at the series' ends (as
+    pandas' ``rolling(window, center=True, min_periods=1)``).
+    """
+    before = window // 2
+    return max(0, index - before), min(count, index + window - before)
+
+
+def centred_rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Centred rolling mean of a whole series (the offline form of :class:`CentredRollingMean`)."""
+    out = []
+    for i in range(len(values)):
+        start, stop = centred_window(i, len(values), window)
+        out.append(sum(values[start:stop]) / (stop - start))
+    return out
+
+
+class CentredRollingMean:
+    """Online centred rolling mean, exactly :func:`centred_rolling_mean` of the pushed series.
+
+    Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last ones on
+    :meth:`flush`. The state (the last ``window`` values and two counters) is checkpointable.
+    """
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.after = window - 1 - window // 2
+        self.buffer: deque[tuple[int, float]] = deque(maxlen=window)
+        self.count = 0
+        self.emitted = 0
+
+    def push(self, step: int, value: float) -> list[tuple[int, float]]:
+        """Add the next value; returns the ``(step, mean)`` of every centre whose window it completes."""
+        self.buffer.append((step, value))
+        self.count += 1
+        return self._emit(last=self.count - 1 - self.after)
+
+    def flush(self) -> list[tuple[int, float]]:
+        """``(step, mean)`` of the centres still pending, over windows cut at the end of the series."""
+        return self._emit(last=self.count - 1)
+
+    def _emit(self, last: int) -> list[tuple[int, float]]:
+        out = []
+        first = self.count - len(self.buffer)  # series index of buffer[0]
+        while self.emitted <= last:
+            start, stop = centred_window(self.emitted, self.count, self.window)
+            values = [v for k, (_, v) in enumerate(self.buffer) if start <= first + k < stop]
+            out.append((self.buffer[self.emitted - first][0], sum(values) / len(values)))
+            self.emitted += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered values and counters."""
+        return {"buffer": list(self.buffer), "count": self.count, "emitted": self.emitted}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.buffer = deque(((int(s), float(v)) for s, v in state["buffer"]), maxlen=self.window)
+        self.count, self.emitted = state["count"], state["emitted"]
+
+
+def step_scalars(stats: Mapping[str, Tensor]) -> dict[str, float]:
+    """Every per-update scalar the stats support (tags without the prefix)."""
+    rows, groups = check_stats(stats)
+    out: dict[str, float] = {}
+    if "log_rho" in stats:
+        lr = stats["log_rho"].detach().double()
+        out.update({"log_rho/mean": lr.mean(), "log_rho/std": lr.std(unbiased=False), "log_rho/min": lr.min(),
+                    "log_rho/max": lr.max(), "log_rho/abs_mean": lr.abs().mean()})  # fmt: skip
+    if "log_rho_bar" in stats:
+        lb = stats["log_rho_bar"].detach().double()
+        out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": lb.quantile(0.5),
+                    "rho_bar/log_q90": lb.quantile(0.9), "rho_bar/log_max": lb.max()})  # fmt: skip
+    for key, tag in (("gmc_rescaled", "gmc/rescaled_fraction"), ("tic_dropped", "tic/dropped_fraction")):
+        if key in stats:
+            out[tag] = stats[key].detach().float().mean()
+    if "removed_mass" in stats:
+        mass = stats["removed_mass"].detach().double()
+        out.update({"removed_mass/mean": mass.mean(), "removed_mass/max": mass.max()})
+    if "ess" in stats:
+        ess = stats["ess"].detach().double()
+        out.update({"ess/mean": ess.mean(), "ess/min": ess.min()})
+        if rows is not None:
+            out["ess/mean_fraction_of_G"] = ess.mean() / (rows // groups)
+    if "response_lengths" in stats:
+        lengths = stats["response_lengths"].detach().double()
+        out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.max()})
+    if "rewards" in stats:
+        out["reward/mean"] = stats["rewards"].detach().double().mean()
+        if groups is not None:
+            out["reward/zero_variance_fraction"] = zero_variance_fraction(stats["rewards"], rows // groups)
+    if "entropy" in stats and stats["entropy"].numel():
+        out["entropy/mean"] = stats["entropy"].detach().double().mean()
+    if "response_lengths" in stats:
+        for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length")):
+            if key in stats and (r := pearson(stats[key], stats["response_lengths"])) is not None:
+                out[tag] = r
+    if "schedule/draining" in stats:
+        out["drain/active"] = stats["schedule/draining"]
+    return {k: float(v) for k, v in out.items()}
+
+
+class Diagnostics(pl.Callback):
+    """Logs the diagnostics of every update from ``training_step``'s returned dict (see the module docstring).
+
+    Args:
+        entropy_window: Width of the centred rolling mean of the entropy (the paper's Figure 4 uses 25).
+        histogram_every_n_steps: Period of the histograms (each costs a binning pass; scalars are every step).
+        prefix: Tag prefix.
+    """
+
+    def __init__(self, entropy_window: int = 25, histogram_every_n_steps: int = 10, prefix: str = "diag") -> None:
+        if histogram_every_n_steps < 1:
+            raise ValueError(f"histogram_every_n_steps must be >= 1, got {histogram_every_n_steps}")
+        self.entropy_window = entropy_window
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.prefix = prefix
+        self.rolling = CentredRollingMean(entropy_window)
+        self.drain_step: int | None = None
+        self._warned_no_tensorboard = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(entropy_window=self.entropy_window, prefix=self.prefix)
+
+    def tensorboard(self, trainer: pl.Trainer):
+        """The ``SummaryWriter`` of the first TensorBoard logger, or None (then only scalars are logged)."""
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                return logger.experiment
+        if not self._warned_no_tensorboard and trainer.loggers:
+            rank_zero_warn("Diagnostics: no TensorBoardLogger, so histograms and the centred entropy mean are skipped")
+            self._warned_no_tensorboard = True
+        return None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        known = (*ROW_KEYS, *GROUP_KEYS, "entropy", "schedule/draining")
+        if not isinstance(outputs, Mapping) or not any(key in outputs for key in known):
+            got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+            raise TypeError("Diagnostics needs training_step to return a dict with some of the keys "
+                            f"{', '.join(known)} (see lit_gmc.callbacks.diagnostics); got {got}")  # fmt: skip
+        step = trainer.fit_loop.total_batch_idx  # the step Lightning logs this batch's metrics at
+        scalars = step_scalars(outputs)
+        if "drain/active" in scalars and scalars["drain/active"] > 0.5 and self.drain_step is None:
+            self.drain_step = step
+            scalars["drain/step"] = float(step)  # a single point: the update at which the queue started draining
+        if scalars:
+            for logger in trainer.loggers:
+                logger.log_metrics({f"{self.prefix}/{k}": v for k, v in scalars.items()}, step=step)
+        writer = self.tensorboard(trainer) if trainer.is_global_zero else None
+        if "entropy/mean" in scalars:
+            for centre, mean in self.rolling.push(step, scalars["entropy/mean"]):
+                if writer is not None:
+                    writer.add_scalar(f"{self.prefix}/entropy/centred_rolling_mean", mean, centre)
+        if writer is not None and step % self.histogram_every_n_steps == 0:
+            for key, tag in HISTOGRAMS.items():
+                value = outputs.get(key)
+                if not isinstance(value, Tensor):
+                    continue
+                flat = value.detach().float().flatten()
+                finite = flat[torch.isfinite(flat)].cpu()  # a diverged ratio must not break the binning
+                if finite.numel():
+                    writer.add_histogram(f"{self.prefix}/{tag}", finite, step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        writer = self.tensorboard(trainer) if trainer.is_global_zero else None
+        for centre, mean in self.rolling.flush():
+            if writer is not None:
+                writer.add_scalar(f"{self.prefix}/entropy/centred_rolling_mean", mean, centre)
+        if writer is not None:
+            writer.flush()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"rolling": self.rolling.state_dict(), "drain_step": self.drain_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rolling.load_state_dict(state_dict["rolling"])
+        self.drain_step = state_dict["drain_step"]

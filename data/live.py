@@ -1,0 +1,212 @@
+"""The ``live`` schedule: the paper's Algorithm 2 for real, rollout workers running beside the learner.
+
+Worker threads generate groups continuously with the latest published weights and append them to a
+buffer in completion order; the learner pops ``B`` groups per update whenever they are there. Groups of
+one update may come from different policy versions, so their delays differ. Generation is lossless:
+workers stop once every group the run needs is claimed, and everything claimed is consumed.
+
+Threads never outlive the run: :meth:`LiveSchedule.close` (called by the DataModule's ``teardown`` and
+``on_exception``) stops and joins them, and a worker's exception is re-raised in the learner's thread at
+its next batch, chained to the original so its traceback is printed.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lit_gmc.batch import RolloutGroup
+from lit_gmc.data.schedules import Batch, _CountedSchedule, batch_from_state, batch_state
+
+GroupProducer = Callable[..., list[Batch]]
+"""``produce(1, prompts=k)``: one launch of ``k`` prompts (``k`` groups) from the latest published weights.
+Called from worker threads, so it must be thread-safe."""
+
+THREAD_PREFIX = "lit_gmc-rollout-worker"
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker thread raised; ``__cause__`` is the worker's exception, with its traceback."""
+
+
+def validate_live(*, workers: int, chunk_prompts: int | None, max_staleness: int | None) -> list[str]:
+    """Every problem with the live-schedule options, named by their CLI flags."""
+    problems = []
+    if workers < 1:
+        problems.append(f"--data.workers={workers} must be >= 1")
+    if chunk_prompts is not None and chunk_prompts < 1:
+        problems.append(f"--data.chunk_prompts={chunk_prompts} must be >= 1 (or null for --data.batch_prompts)")
+    if max_staleness is not None and max_staleness < 0:
+        problems.append(f"--data.max_staleness={max_staleness} must be >= 0 (or null for no gate)")
+    return problems
+
+
+class LiveSchedule(_CountedSchedule):
+    """Rollout workers generate while the learner trains; each update takes the next ``B`` completed groups.
+
+    Args:
+        total_updates: Planned number of optimizer updates; workers generate exactly ``total_updates * B`` groups.
+        batch_prompts: ``B``, groups per update.
+        workers: Worker threads. More than one helps only with an engine that serves concurrent requests
+            (the HF engine generates one call at a time).
+        chunk_prompts: Prompts per generation call (``None``: ``B``). A call never spans two updates, so with
+            ``chunk_prompts < B`` one update mixes groups generated at different versions.
+        max_staleness: Optional admission gate, off by default: a worker claims prompts only if they will be
+            consumed at most this many updates after the newest version the learner has published. With one
+            worker that bounds every delay; with several, completions can reorder by up to ``workers - 1``
+            updates. Nothing is ever dropped: the gate delays generation, it does not discard rollouts (the
+            paper warns that discarding by time or delay biases the data toward short responses).
+        join_timeout_s: How long :meth:`close` waits for a worker to finish its current generation call.
+    """
+
+    def __init__(
+        self, total_updates: int, batch_prompts: int, workers: int = 1, chunk_prompts: int | None = None,
+        max_staleness: int | None = None, join_timeout_s: float = 60.0,
+    ) -> None:  # fmt: skip
+        super().__init__(total_updates)
+        problems = validate_live(workers=workers, chunk_prompts=chunk_prompts, max_staleness=max_staleness)
+        if batch_prompts < 1:
+            problems.append(f"--data.batch_prompts={batch_prompts} must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.batch_prompts = batch_prompts
+        self.workers = workers
+        self.chunk_prompts = chunk_prompts or batch_prompts
+        self.max_staleness = max_staleness
+        self.join_timeout_s = join_timeout_s
+        self.claimed = 0  # groups handed to workers so far (generated or generating)
+        self.buffer: deque[RolloutGroup] = deque()  # completed, not yet consumed, in completion order
+        self._cond = threading.Condition()  # guards everything below and the counters above
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._paused = 0
+        self._generating = 0  # calls in progress
+        self._published = 0  # step of the learner's latest request: the engine holds at least this version
+        self._error: tuple[str, BaseException] | None = None
+
+    @property
+    def needed_groups(self) -> int:
+        """Groups the whole run consumes (``total_updates * B``)."""
+        return self.total_updates * self.batch_prompts
+
+    @property
+    def running(self) -> bool:
+        """Whether any worker thread is alive."""
+        return any(t.is_alive() for t in self._threads)
+
+    def next_batch(self, produce: GroupProducer) -> tuple[Batch, dict[str, float]]:
+        """The next ``B`` completed groups; starts the workers on the first call, re-raises a worker's error."""
+        if self.exhausted:
+            raise StopIteration
+        with self._cond:
+            self._published = self.step
+            self._cond.notify_all()
+            if not self._threads:
+                self._start(produce)
+            while len(self.buffer) < self.batch_prompts:
+                self._raise_worker_error()
+                if not self.running:
+                    raise RuntimeError("live: every rollout worker has stopped, yet the batch is incomplete")
+                self._cond.wait(timeout=1.0)
+            self._raise_worker_error()
+            batch = [self.buffer.popleft() for _ in range(self.batch_prompts)]
+            self.step += 1
+            info = {
+                "buffered_groups": float(len(self.buffer)),
+                "generating_calls": float(self._generating),
+                "claimed_groups": float(self.claimed),
+            }
+        return batch, info
+
+    def _start(self, produce: GroupProducer) -> None:
+        self._stopping, self._error = False, None
+        for i in range(self.workers):
+            thread = threading.Thread(target=self._work, args=(produce,), name=f"{THREAD_PREFIX}-{i}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            name, err = self._error
+            raise RolloutWorkerError(f"rollout worker {name} failed: {type(err).__name__}: {err}") from err
+
+    def _admit(self) -> int:
+        """Wait (holding the lock) until a worker may claim a chunk; its size, or 0 when the worker should exit."""
+        b = self.batch_prompts
+        while True:
+            left = self.needed_groups - self.claimed
+            if self._stopping or self._error is not None or left == 0:
+                return 0
+            size = min(self.chunk_prompts, left, b - self.claimed % b)  # never across an update boundary
+            last_step = (self.claimed + size - 1) // b  # the update that will consume the chunk's last group
+            gated = self.max_staleness is not None and last_step - self._published > self.max_staleness
+            if not self._paused and not gated:
+                return size
+            self._cond.wait()
+
+    def _work(self, produce: GroupProducer) -> None:
+        name = threading.current_thread().name
+        try:
+            while True:
+                with self._cond:
+                    size = self._admit()
+                    if not size:
+                        return
+                    self.claimed += size
+                    self._generating += 1
+                try:
+                    (groups,) = produce(1, prompts=size)
+                finally:
+                    with self._cond:
+                        self._generating -= 1
+                        self._cond.notify_all()
+                with self._cond:
+                    self.buffer.extend(groups)
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the learner's thread, which re-raises it
+            with self._cond:
+                self._error = (name, err)
+                self._cond.notify_all()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No new claims, and every generation call in progress finished: a consistent snapshot point."""
+        with self._cond:
+            self._paused += 1
+            while self._generating and self._error is None:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the workers and join them (each finishes its current generation call first); idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(self.join_timeout_s)
+            if thread.is_alive():
+                warnings.warn(f"{thread.name} did not stop within {self.join_timeout_s} s", stacklevel=2)
+        self._threads = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the completed-but-unconsumed groups; taken between generation calls."""
+        with self.paused():
+            return {
+                "step": self.step, "total_updates": self.total_updates, "claimed": self.claimed,
+                "buffer": batch_state(list(self.buffer)),
+            }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.running:
+            raise RuntimeError("live: cannot load a state while rollout workers are running")
+        self.step, self.total_updates, self.claimed = state["step"], state["total_updates"], state["claimed"]
+        self.buffer = deque(batch_from_state(state["buffer"]))

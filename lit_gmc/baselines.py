@@ -1,0 +1,353 @@
+"""The baselines beside GMC (DESIGN.md §8): VCPO, GAC, A-3PO, plus CISPO and TIS. One function and one entry each.
+
+Every rule has the shape of :mod:`lit_gmc.corrections` (``(terms, eps) -> CorrectionOutput``). VCPO and GAC
+also change the optimizer step, through a :class:`~lit_gmc.corrections.StepRule`: VCPO scales the learning
+rate of one step by its effective sample size, GAC projects the whole gradient before clipping. The math
+each rule needs beyond :mod:`lit_gmc.objectives` (the VCPO baseline, the ESS factor, the proximal
+log-probs, the projection coefficient) is written as small functions here, tested on hand-made tensors.
+
+What ``--model.eps`` means for each rule (registry default in brackets):
+- ``vcpo``: the truncation ``c`` of the sequence ratio [8];
+- ``gac``, ``a3po``: the two-sided PPO clip [0.2];
+- ``cispo``: ``eps_high``; the token ratio is capped at ``1 + eps`` [0.28];
+- ``tis``: the cap ``C`` of the token ratio [2].
+
+Where this code fills gaps the sources leave:
+- GAC's projection is the reconstruction of DESIGN.md §8, not the authors' code (see :func:`gac_shift`).
+- A-3PO and TIS use the group-centred advantage of this project's vanilla GRPO, so that each differs from
+  GRPO only by its correction (A-3PO is then exactly GRPO whenever ``tau <= 1``).
+- TIS is written in its policy-gradient form with the current policy as the trainer side, because the
+  learner has no separate recompute of the behaviour version to put in a PPO ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lit_gmc import objectives as O
+from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, grpo, register
+
+MIN_REWARD_STD = 1e-8  # below this a group's rewards tie, and VCPO/CISPO skip the std division
+GAC_LOW, GAC_HIGH = 0.05, 0.30  # cosine thresholds of GAC (Xu et al. 2026)
+A3PO_BEHAVIOR_CAP = 5.0  # tokens with pi_prox / pi_behaviour above this are left out of A-3PO's loss
+
+
+def _per_group(name: str, x: Tensor, group_size: int) -> Tensor:
+    """View ``(N,)`` as ``(B, G)``, naming the tensor when N is not a multiple of G."""
+    if x.dim() != 1 or x.numel() % group_size != 0:
+        raise ValueError(f"{name} must be (B*G,) with G={group_size}, got shape {tuple(x.shape)}")
+    return x.view(-1, group_size)
+
+
+def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: int) -> Tensor:
+    """``A_i = (r_i - b_g) / sigma_g`` with the population std of the group's rewards. Returns ``(N,)``.
+
+    Where ``sigma_g <= 1e-8`` (rewards tie) the division is skipped, so ties give ``r_i - b_g``, never NaN.
+    """
+    r = _per_group("rewards", rewards, group_size)  # (B, G)
+    if baselines.shape != (r.shape[0],):
+        raise ValueError(f"baselines must be ({r.shape[0]},), one per group, got {tuple(baselines.shape)}")
+    std = r.std(-1, unbiased=False, keepdim=True)  # (B, 1)
+    centred = r - baselines[:, None]  # (B, G)
+    spread = std > MIN_REWARD_STD  # (B, 1)
+    return torch.where(spread, centred / std.clamp(min=MIN_REWARD_STD), centred).reshape(-1)  # (N,)
+
+
+def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_size: int) -> Tensor:
+    """VCPO's per-group off-policy minimum-variance baseline ``b* = sum_i W_i r_i / sum_i W_i``. Returns ``(B,)``.
+
+    ``W_i = w_i^2 ||grad log pi_theta(y_i)||^2`` with the *unclipped* sequence ratio ``w_i = exp(log_w_i)``,
+    normalised in log space so that a huge ratio cannot overflow. A group whose weights are all zero (every
+    gradient norm zero) has no preferred response and falls back to the plain mean reward.
+    """
+    lw = _per_group("log_w", log_w.detach(), group_size)  # (B, G)
+    norms = _per_group("grad_norms_sq", grad_norms_sq.detach().to(lw.dtype), group_size)  # (B, G)
+    if (norms < 0).any():
+        raise ValueError(f"grad_norms_sq must be >= 0, got min {norms.min().item()}")
+    log_weight = 2.0 * lw + torch.log(norms)  # (B, G), -inf where the norm is 0
+    dead = torch.isneginf(log_weight).all(-1, keepdim=True)  # (B, 1)
+    log_weight = torch.where(dead, torch.zeros_like(log_weight), log_weight)  # (B, G)
+    r = _per_group("rewards", rewards, group_size).to(lw.dtype)  # (B, G)
+    return (torch.softmax(log_weight, dim=-1) * r).sum(-1)  # (B,)
+
+
+def ess_step_factor(log_w: Tensor) -> Tensor:
+    """VCPO's step-size factor ``sqrt(min(1, ESS / n))`` with ``ESS = (sum w)^2 / sum w^2`` over all ``n`` rows.
+
+    ``w`` is the unclipped sequence ratio, taken in log space (float64). Returns a 0-dim tensor in
+    ``[1/sqrt(n), 1]``.
+    """
+    lw = log_w.detach().double().reshape(-1)  # (n,)
+    if lw.numel() == 0:
+        raise ValueError("ess_step_factor needs at least one log-ratio")
+    ess = torch.exp(2.0 * torch.logsumexp(lw, 0) - torch.logsumexp(2.0 * lw, 0))
+    return torch.sqrt((ess / lw.numel()).clamp(max=1.0))
+
+
+def vcpo(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """VCPO (Huang et al. 2026; reference code mit-han-lab/vcpo), ``eps`` being the truncation ``c``.
+
+    ``w_i = exp(sum_t (log pi_theta - l))``, coefficient ``min(w_i, c)`` (detached), advantage
+    ``(r_i - b*) / sigma_group`` with :func:`vcpo_baseline`, surrogate ``-sg(min(w_i, c) A_i) log pi_theta(y_i)``
+    averaged seq-mean-token-mean. The step size is the job of :class:`ESSStepSize`. Needs
+    ``terms.grad_norms_sq`` (the module computes it when the entry sets ``needs_grad_norms``).
+    """
+    if terms.grad_norms_sq is None:
+        raise ValueError("vcpo needs PolicyTerms.grad_norms_sq; register it with Correction(needs_grad_norms=True)")
+    log_w = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
+    truncated = torch.exp(log_w.clamp(max=math.log(eps)))  # (n,) min(w, c)
+    baseline = vcpo_baseline(log_w, terms.grad_norms_sq, terms.rewards, terms.group_size)  # (k,)
+    adv = group_normalized_advantages(terms.rewards, baseline, terms.group_size)  # (n,)
+    loss = O.surrogate_token_loss(truncated * adv, terms.token_logprobs, terms.mask)  # (n, L)
+    extra = {
+        "vcpo/truncated_fraction": (log_w > math.log(eps)).float().mean(),
+        "vcpo/baseline_mean": baseline.mean(),
+        "vcpo/trajectory_grad_norm_mean": terms.grad_norms_sq.detach().sqrt().mean(),
+    }
+    return CorrectionOutput(loss, log_w, truncated, adv.detach(), extra)
+
+
+class ESSStepSize:
+    """VCPO's step rule: this step's learning rate is ``lr * sqrt(min(1, ESS / n))``, restored after the step.
+
+    It reads the unclipped log-ratios of the whole optimizer batch from ``stats["log_rho"]``.
+    """
+
+    def __init__(self) -> None:
+        self._saved_lrs: list[Any] | None = None
+
+    def before_step(
+        self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]
+    ) -> dict[str, float]:
+        """Scale every param group's lr by the ESS factor; returns the factor and the ESS fraction."""
+        factor = float(ess_step_factor(stats["log_rho"]))
+        self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        return {"vcpo/lr_factor": factor, "vcpo/ess_fraction": factor * factor}
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put back the learning rates saved by :meth:`before_step`."""
+        if self._saved_lrs is not None:
+            for group, lr in zip(optimizer.param_groups, self._saved_lrs, strict=True):
+                group["lr"] = lr
+            self._saved_lrs = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stateless between steps: nothing to checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore."""
+        del state
+
+
+def gac_shift(
+    dot: float, norm_sq: float, prev_norm_sq: float, low: float = GAC_LOW, high: float = GAC_HIGH
+) -> tuple[float, float]:
+    """GAC's projection as a multiple of the previous gradient, ``g' = g - shift * g_prev``: ``(cosine, shift)``.
+
+    RECONSTRUCTION (DESIGN.md §8): the exact rule of Xu et al. 2026 was not public when the design was
+    written. With ``c = cos(g, g_prev)``:
+    - ``c <= low`` (0.05): unchanged (``shift = 0``);
+    - ``low < c <= high`` (0.30): the component along ``g_prev`` shrinks until ``cos(g', g_prev) = low``,
+      the orthogonal part untouched;
+    - ``c > high``: the component along ``g_prev`` is removed (``cos(g', g_prev) = 0``).
+    Inputs are the global ``g . g_prev``, ``||g||^2`` and ``||g_prev||^2``; a zero gradient is left alone.
+    """
+    if norm_sq <= 0.0 or prev_norm_sq <= 0.0:
+        return 0.0, 0.0
+    cosine = dot / math.sqrt(norm_sq * prev_norm_sq)
+    if cosine <= low:
+        return cosine, 0.0
+    along = dot / prev_norm_sq  # g = along * g_prev + g_perp
+    if cosine > high:
+        return cosine, along
+    perp = math.sqrt(max(norm_sq - dot * along, 0.0))  # ||g_perp||
+    # Keep a component t * g_prev with t ||g_prev|| / sqrt(t^2 ||g_prev||^2 + perp^2) = low.
+    kept = low * perp / math.sqrt((1.0 - low * low) * prev_norm_sq)
+    return cosine, along - kept
+
+
+def _dot_and_norms(g: Tensor, prev: Tensor | None) -> Tensor:
+    """``(g . prev, ||g||^2, ||prev||^2)`` of one tensor pair as float64; a missing ``prev`` counts as zero."""
+    a = g.to(torch.promote_types(g.dtype, torch.float32))  # bf16 gradients are summed in float32
+    if prev is None:
+        zero = a.new_zeros(())
+        return torch.stack([zero, a.square().sum(), zero]).double()
+    b = prev.to(a.dtype)
+    return torch.stack([(a * b).sum(), a.square().sum(), b.square().sum()]).double()
+
+
+class GradientProjection:
+    """GAC's step rule: project the full gradient against the previous step's before clipping and the step.
+
+    ``g_prev`` is the previous step's raw gradient (before its own projection): the cosine between
+    consecutive policy gradients is the signal the paper monitors, and measuring it against an
+    already-projected update would make it depend on the previous projection. It is a full copy of the
+    gradient and is saved in checkpoints (``state_dict``), so a resumed run projects exactly as an
+    uninterrupted one.
+
+    FSDP: each rank holds shards of every gradient, so the three sums in :meth:`before_step` are partial;
+    they must be all-reduced (SUM over the shard group) before :func:`gac_shift`, which keeps the cosine
+    global; the shift is then applied shard by shard. Under DDP the gradients are already reduced and
+    replicated, and no reduction is needed. This project runs single-process here, so none is done.
+    """
+
+    def __init__(self, low: float = GAC_LOW, high: float = GAC_HIGH) -> None:
+        if not -1.0 < low < high < 1.0:
+            raise ValueError(f"GAC thresholds must satisfy -1 < low < high < 1, got low={low}, high={high}")
+        self.low, self.high = low, high
+        self.previous: list[Tensor | None] | None = None
+
+    def before_step(
+        self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]
+    ) -> dict[str, float]:
+        """Project the gradients in place; returns the cosine before and after and the shift."""
+        del optimizer, stats
+        grads = [p.grad for p in parameters]
+        raw = [None if g is None else g.detach().clone() for g in grads]
+        previous, self.previous = self.previous, raw
+        if previous is None:
+            return {}
+        if len(previous) != len(grads):
+            raise ValueError(f"GAC kept {len(previous)} gradient tensors but the model has {len(grads)} parameters")
+        # Parameters without a gradient now cannot be moved and take no part; a missing g_prev counts as zero.
+        pairs = [(g, None if prev is None else prev.to(g)) for g, prev in zip(grads, previous, strict=True)]
+        pairs = [(g, prev) for g, prev in pairs if g is not None]
+        # Rank-local partial sums (g . g_prev, ||g||^2, ||g_prev||^2).
+        parts = [_dot_and_norms(g, prev) for g, prev in pairs]
+        sums = torch.stack([p.to(parts[0].device) for p in parts]).sum(0) if parts else torch.zeros(3)  # (3,)
+        # Under FSDP: torch.distributed.all_reduce(sums, op=SUM, group=<shard group>) here, so the cosine is global.
+        dot, norm_sq, prev_sq = sums.tolist()
+        cosine, shift = gac_shift(dot, norm_sq, prev_sq, self.low, self.high)
+        if shift != 0.0:
+            for g, prev in pairs:
+                if prev is not None:
+                    g.sub_(prev, alpha=shift)
+        new_sq = norm_sq - 2.0 * shift * dot + shift * shift * prev_sq
+        projected = (dot - shift * prev_sq) / math.sqrt(new_sq * prev_sq) if new_sq > 0 and prev_sq > 0 else 0.0
+        return {"gac/cosine": cosine, "gac/projected_cosine": projected, "gac/shift": shift}
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to undo: the projection is meant to stay in the applied update."""
+        del optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The previous raw gradient (a list aligned with the parameters, or None before the first step)."""
+        return {"previous": self.previous, "low": self.low, "high": self.high}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; tensors move to the gradients' device when next used."""
+        self.previous = state["previous"]
+        self.low, self.high = state["low"], state["high"]
+
+
+def gac(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """GAC (Xu et al. 2026) on vanilla GRPO: the token-level PPO-clip loss of :func:`lit_gmc.corrections.grpo`.
+
+    GAC changes the update, not the loss: its rule is :class:`GradientProjection` (a reconstruction).
+    """
+    return grpo(terms, eps)
+
+
+def a3po_alpha(delays: Tensor) -> Tensor:
+    """A-3PO's interpolation weight ``alpha = 1 / max(1, tau)`` per row. Returns ``(n,)`` float64."""
+    if (delays < 0).any():
+        raise ValueError(f"delays must be >= 0, got min {int(delays.min())}")
+    return 1.0 / delays.clamp(min=1).double()
+
+
+def loglinear_proximal_logprobs(token_logprobs: Tensor, behavior_logprobs: Tensor, alpha: Tensor) -> Tensor:
+    """``log pi_prox = alpha l + (1 - alpha) sg(log pi_theta)`` per token (AReaL's ``loglinear``). ``(n, L)``.
+
+    With ``alpha = 1`` this is ``l`` exactly (``0 * x`` adds nothing), so A-3PO reduces to PPO-clip bit for bit.
+    """
+    a = alpha.to(token_logprobs.dtype)[:, None]  # (n, 1)
+    return a * behavior_logprobs + (1.0 - a) * token_logprobs.detach()  # (n, L)
+
+
+def a3po(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """A-3PO (Li et al. 2025; AReaL's decoupled PPO loss with the ``loglinear`` proximal policy).
+
+    Per token, ``r = exp(log pi_theta - log pi_prox)`` with :func:`loglinear_proximal_logprobs` and
+    ``alpha = 1 / max(1, tau)`` (``tau`` the group's delay), and
+    ``loss_t = -sg(pi_prox / pi_b) min(r A, clip(r, 1 - eps, 1 + eps) A)``; tokens with
+    ``pi_prox / pi_b > 5`` are left out (zero loss, still counted). Group-centred advantages; the registry
+    aggregates ``token_mean`` (token sum over the batch's count of real tokens).
+    """
+    mask = terms.mask
+    alpha = a3po_alpha(terms.delays)  # (n,)
+    log_prox = loglinear_proximal_logprobs(terms.token_logprobs, terms.behavior_logprobs, alpha)  # (n, L)
+    log_behavior_weight = (log_prox - terms.behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L), detached
+    cap = math.log(A3PO_BEHAVIOR_CAP)
+    kept = mask & (log_behavior_weight <= cap)  # (n, L)
+    weight = torch.exp(log_behavior_weight.clamp(max=cap)) * kept  # (n, L) in [0, 5]
+    adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
+    loss = weight * O.ppo_clip_token_loss(terms.token_logprobs, log_prox, mask, adv, eps)  # (n, L)
+    log_r = (terms.token_logprobs.detach() - log_prox).masked_fill(~mask, 0.0)  # (n, L)
+    floor = math.log1p(-eps) if eps < 1 else -math.inf  # a clip of 1 or more has no lower side
+    clipped = ((log_r < floor) | (log_r > math.log1p(eps))) & kept  # (n, L)
+    tokens = mask.sum().clamp(min=1)
+    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, mask).detach()  # (n,)
+    extra = {
+        "a3po/masked_fraction": (mask & ~kept).sum() / tokens,
+        "a3po/clip_fraction": clipped.sum() / tokens,
+        "a3po/alpha_mean": alpha.mean(),
+    }
+    return CorrectionOutput(loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), extra)
+
+
+def truncated_token_ratio_loss(
+    token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, cap: float
+) -> tuple[Tensor, Tensor]:
+    """Per token ``-sg(min(r_t, cap) A_i) log pi_theta(y_t)`` with ``r_t = exp(log pi_theta(y_t) - l_t)``.
+
+    The shared form of CISPO and TIS. Returns the ``(n, L)`` loss (zeros on padding) and the ``(n, L)``
+    mask of real tokens whose ratio was truncated.
+    """
+    if not cap > 0:
+        raise ValueError(f"the ratio cap must be > 0, got {cap}")
+    log_r = (token_logprobs.detach() - behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L)
+    weight = torch.exp(log_r.clamp(max=math.log(cap)))  # (n, L) min(r, cap)
+    coef = (weight * advantages.detach()[:, None]).detach()  # (n, L)
+    return (-coef * token_logprobs).masked_fill(~mask, 0.0), (log_r > math.log(cap)) & mask
+
+
+def _token_rule(terms: PolicyTerms, cap: float, adv: Tensor, name: str) -> CorrectionOutput:
+    loss, truncated = truncated_token_ratio_loss(terms.token_logprobs, terms.behavior_logprobs, terms.mask, adv, cap)
+    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
+    extra = {f"{name}/truncated_fraction": truncated.sum() / terms.mask.sum().clamp(min=1)}
+    return CorrectionOutput(loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), extra)
+
+
+def cispo(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """CISPO (MiniMax-M1, Chen et al. 2025): ``-sg(min(r_t, 1 + eps) A_i) log pi_theta(y_t)``, ``eps = eps_high``.
+
+    No lower bound on the weight (the authors set ``eps_low`` out of reach), advantages
+    ``(r_i - mean) / std`` per group (population std, skipped on ties), ``token_mean`` aggregation.
+    """
+    r = _per_group("rewards", terms.rewards, terms.group_size)  # (k, G)
+    adv = group_normalized_advantages(terms.rewards, r.mean(-1), terms.group_size)  # (n,)
+    return _token_rule(terms, 1.0 + eps, adv, "cispo")
+
+
+def tis(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """Truncated importance sampling (Yao et al. 2025) for the engine/trainer mismatch, ``eps`` being the cap ``C``.
+
+    ``-sg(min(pi_theta(y_t) / pi_engine(y_t), C) A_i) log pi_theta(y_t)`` per token (the policy-gradient
+    form), group-centred advantages, ``token_mean`` aggregation.
+    """
+    adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
+    return _token_rule(terms, eps, adv, "tis")
+
+
+register("vcpo", Correction(vcpo, 8.0, "seq_mean_token_mean", step_rule=ESSStepSize, needs_grad_norms=True))
+register("gac", Correction(gac, 0.2, "seq_mean_token_mean", step_rule=GradientProjection))
+register("a3po", Correction(a3po, 0.2, "token_mean"))
+register("cispo", Correction(cispo, 0.28, "token_mean"))
+register("tis", Correction(tis, 2.0, "token_mean"))

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny models built in-process, the shared benchmark data, CPU-only defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_gmc.actor import TinyRecipe, build_char_tokenizer, build_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads spin-wait on every
+    small kernel (a 20-step fit measured 7 s on one thread, 142 s on two under load)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` beside the clone; tests that need it skip in a user's clone, which has none."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"benchmark data not found at {SHARED_DATA} (only present beside the project's own checkout)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return build_char_tokenizer()
+
+
+def make_tiny_model(tokenizer, *, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float32):
+    recipe = TinyRecipe(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=4,
+                        num_kv_heads=2, seed=seed)  # fmt: skip
+    model = build_tiny_model(recipe, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture
+def tiny_model(char_tokenizer):
+    """A randomly initialised 2-layer Qwen3 (hidden 32) over the character vocabulary, fp32."""
+    return make_tiny_model(char_tokenizer)
+
+
+@pytest.fixture
+def tiny_actor_dir(tmp_path, char_tokenizer) -> Path:
+    """A random tiny actor saved with ``save_pretrained`` (model + tokenizer), loadable by path."""
+    model = make_tiny_model(char_tokenizer)
+    path = tmp_path / "actor"
+    model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return path

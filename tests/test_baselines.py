@@ -1,0 +1,485 @@
+"""VCPO, GAC, A-3PO, CISPO and TIS: each rule's gradient against its equation written out, their step rules, fits.
+
+The learner side runs the production path (left-padded batch, chunked log-probs, the registered rule and its
+aggregation); the reference side runs one plain full-logits forward per unpadded sequence and forms each
+equation by hand in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lit_gmc.callbacks.weight_sync import WeightSync
+from lit_gmc.data.datamodule import RolloutDataModule
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from lit_gmc import objectives as O
+from lit_gmc.actor import TinyRecipe, build_char_tokenizer, build_tiny_model
+from lit_gmc.baselines import (
+    ESSStepSize,
+    GradientProjection,
+    a3po,
+    a3po_alpha,
+    ess_step_factor,
+    gac_shift,
+    vcpo_baseline,
+)
+from lit_gmc.batch import RolloutGroup, collate_groups
+from lit_gmc.corrections import CORRECTIONS, PolicyTerms
+from lit_gmc.logprobs import response_logprobs
+from lit_gmc.module import GMCModule, cosine_with_warmup
+
+BASELINES = ("vcpo", "gac", "a3po", "cispo", "tis")
+T_MAX = 6
+G = 3
+REWARDS = ([1.0, 0.0, 0.5], [0.2, 0.9, 0.0])
+# Per-row shift of the behaviour log-probs below the current ones: row 1 has a large trajectory ratio (VCPO
+# truncates it at c = 8) and row 5, in the delay-5 group, tokens with pi_prox / pi_b > 5 (A-3PO masks them).
+# Both have negative advantages, so PPO's clip does not zero their gradient and the truncation/mask is visible.
+SHIFTS = (0.0, 3.0, 0.0, 0.0, 0.0, 3.0)
+
+
+@pytest.fixture
+def float64_rmsnorm(monkeypatch):
+    """Qwen3's RMSNorm computes in float32 even in a float64 model, which rounds gradients to ~1e-8; these tests
+    compare estimators at float64 precision, so the norm runs in the input dtype."""
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(Qwen3RMSNorm, "forward", forward)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the threads make each step
+    many times slower (measured: a 20-step VCPO fit took 142 s with 2 threads under load, 7 s with one); every
+    test here runs on one thread and puts the setting back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory, tokenizer):
+    """A random tiny Qwen3 (hidden 16) in float64, saved so GMCModule can load it by path."""
+    recipe = TinyRecipe(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=3)
+    model = build_tiny_model(recipe, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).double()
+    path = tmp_path_factory.mktemp("actor")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_module(actor_dir, correction: str, **kwargs) -> GMCModule:
+    return GMCModule(actor=str(actor_dir), correction=correction, dtype="float64", max_response_length=T_MAX, **kwargs)
+
+
+def direct_logprobs(model, batch, row: int) -> torch.Tensor:
+    """``log pi(y_t | x, y_<t)`` of one row's real response tokens: the row without any padding, full logits."""
+    p = batch.prompt_width
+    prompt = batch.input_ids[row, :p][batch.attention_mask[row, :p]]
+    response = batch.input_ids[row, p:][batch.response_mask[row]]
+    logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0]  # (P_i + L_i, V)
+    logp = torch.log_softmax(logits.double(), -1)[prompt.numel() - 1 : -1]  # (L_i, V)
+    return logp.gather(-1, response[:, None])[:, 0]  # (L_i,)
+
+
+def flat_grad(scalar, model) -> torch.Tensor:
+    grads = torch.autograd.grad(scalar, list(model.parameters()), allow_unused=True)
+    pairs = zip(grads, model.parameters(), strict=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in pairs])
+
+
+def make_batch(model, tokenizer, *, seed: int = 0):
+    """2 groups x 3 responses of random tokens with ragged prompts and responses; behaviour log-probs are the
+    current ones minus noise and the SHIFTS above."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = 3, len(tokenizer)
+    groups = []
+    for b, prompt_len in enumerate((3, 5)):
+        lengths = torch.randint(1, T_MAX + 1, (G,), generator=gen)
+        lengths[0] = T_MAX  # one full-length response per group
+        ids = torch.randint(lo, hi, (G, T_MAX), generator=gen)
+        mask = torch.arange(T_MAX)[None, :] < lengths[:, None]
+        groups.append(RolloutGroup(
+            prompt_id=b, prompt="", answer="", prompt_ids=torch.randint(lo, hi, (prompt_len,), generator=gen),
+            response_ids=ids.masked_fill(~mask, tokenizer.pad_token_id), response_mask=mask,
+            behavior_logprobs=torch.zeros(G, T_MAX), finish_reasons=["stop"] * G,
+            rewards=torch.tensor(REWARDS[b]), version=0,
+        ))  # fmt: skip
+    batch = collate_groups(groups, pad_id=tokenizer.pad_token_id)
+    behavior = torch.zeros(batch.response_mask.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(batch.rewards.numel()):
+            lp = direct_logprobs(model, batch, i)
+            behavior[i, : lp.numel()] = (
+                lp - SHIFTS[i] + 0.4 * torch.randn(lp.numel(), generator=gen, dtype=torch.float64)
+            )
+    return replace(batch, behavior_logprobs=behavior.float())
+
+
+def terms_for(model, batch, delays, grad_norms_sq=None) -> PolicyTerms:
+    logprobs, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width)
+    return PolicyTerms(
+        token_logprobs=logprobs, behavior_logprobs=batch.behavior_logprobs.double(), mask=batch.response_mask,
+        rewards=batch.rewards.double(), delays=delays, group_size=batch.group_size, grad_norms_sq=grad_norms_sq,
+    )  # fmt: skip
+
+
+def brute_force_grad_norms_sq(model, batch) -> torch.Tensor:
+    """``||grad log pi(y_i)||^2`` by one backward per trajectory into ``.grad``."""
+    norms = []
+    for i in range(batch.rewards.numel()):
+        model.zero_grad(set_to_none=True)
+        direct_logprobs(model, batch, i).sum().backward()
+        norms.append(sum(float(p.grad.square().sum()) for p in model.parameters() if p.grad is not None))
+    model.zero_grad(set_to_none=True)
+    return torch.tensor(norms, dtype=torch.float64)
+
+
+def written_out_coefficients(name, batch, lp, delays, norms):
+    """Per-token ``k_it`` with ``grad loss = sum_it k_it grad log pi(y_it)``, each rule derived by hand."""
+    n, eps = batch.rewards.numel(), CORRECTIONS[name].default_eps
+    r = batch.rewards.double().view(-1, G)
+    d = [lp[i] - batch.behavior_logprobs[i, : lp[i].numel()].double() for i in range(n)]  # log pi - l per token
+    tokens = int(batch.response_mask.sum())
+    centred = (r - r.mean(-1, keepdim=True)).reshape(-1)
+    normalized = ((r - r.mean(-1, keepdim=True)) / r.std(-1, unbiased=False, keepdim=True)).reshape(-1)
+    k = []
+    for i in range(n):
+        if name == "vcpo":
+            w = torch.stack([torch.exp(x.sum()) for x in d]).view(-1, G)  # unclipped sequence ratios
+            weight = w**2 * norms.view(-1, G)
+            b_star = (weight * r).sum(-1) / weight.sum(-1)
+            adv = (r - b_star[:, None]) / r.std(-1, unbiased=False, keepdim=True)
+            k.append(-min(float(w.view(-1)[i]), eps) * adv.view(-1)[i] / (n * d[i].numel()) * torch.ones_like(d[i]))
+        elif name in ("gac", "a3po"):
+            alpha = 1.0 / max(1, int(delays[i])) if name == "a3po" else 1.0
+            ratio = torch.exp(alpha * d[i])  # pi_theta / pi_prox, and its derivative is ratio * grad log pi
+            behavior_weight = torch.exp((1 - alpha) * d[i])
+            behavior_weight = torch.where(behavior_weight <= 5.0, behavior_weight, torch.zeros_like(ratio))
+            adv = centred[i]
+            clipped = (ratio > 1 + eps) if adv > 0 else (ratio < 1 - eps)  # the constant branch of the min
+            scale = n * d[i].numel() if name == "gac" else tokens
+            k.append(-behavior_weight * adv * ratio * (~clipped) / scale)
+        elif name == "cispo":
+            k.append(-torch.exp(d[i]).clamp(max=1 + eps) * normalized[i] / tokens)
+        elif name == "tis":
+            k.append(-torch.exp(d[i]).clamp(max=eps) * centred[i] / tokens)
+    return k
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_rule_gradient_equals_equation_written_out(name, actor_dir, tokenizer, float64_rmsnorm):
+    model = load_module(actor_dir, "gmc").actor
+    batch = make_batch(model, tokenizer)
+    delays = torch.tensor([0] * G + [5] * G)
+    norms = brute_force_grad_norms_sq(model, batch)
+    entry = CORRECTIONS[name]
+    out = entry.fn(terms_for(model, batch, delays, norms if entry.needs_grad_norms else None), entry.default_eps)
+    n, tokens = batch.rewards.numel(), int(batch.response_mask.sum())
+    loss = O.aggregate_loss(
+        out.token_loss, batch.response_mask, entry.aggregation, max_length=T_MAX, total_sequences=n, total_tokens=tokens
+    )
+    learner = flat_grad(loss, model)
+
+    lp = [direct_logprobs(model, batch, i) for i in range(batch.rewards.numel())]
+    k = written_out_coefficients(name, batch, [x.detach() for x in lp], delays, norms)
+    reference = flat_grad(sum((ki.detach() * x).sum() for ki, x in zip(k, lp, strict=True)), model)
+    assert reference.norm() > 0
+    torch.testing.assert_close(learner, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_fixture_exercises_truncation_and_masking(actor_dir, tokenizer):
+    """The batch above really has a VCPO-truncated trajectory and A-3PO-masked tokens (else the test is weak)."""
+    model = load_module(actor_dir, "gmc").actor
+    batch = make_batch(model, tokenizer)
+    terms = terms_for(model, batch, torch.tensor([0] * G + [5] * G), torch.ones(2 * G, dtype=torch.float64))
+    with torch.no_grad():
+        assert CORRECTIONS["vcpo"].fn(terms, 8.0).extra["vcpo/truncated_fraction"] > 0
+        out = a3po(terms, 0.2)
+    assert out.extra["a3po/masked_fraction"] > 0 and out.extra["a3po/clip_fraction"] > 0
+
+
+def test_vcpo_grad_norms_and_baseline_equal_brute_force(actor_dir, tokenizer, float64_rmsnorm):
+    module = load_module(actor_dir, "vcpo")
+    batch = make_batch(module.actor, tokenizer)
+    brute = brute_force_grad_norms_sq(module.actor, batch)
+    torch.testing.assert_close(module.trajectory_grad_norms_sq(batch), brute, rtol=1e-10, atol=0)
+
+    # b* = sum W r / sum W with W = w^2 ||grad||^2, written with plain ratios (no log space).
+    w = torch.stack([torch.exp((direct_logprobs(module.actor, batch, i).detach() -
+                                batch.behavior_logprobs[i, : int(batch.response_mask[i].sum())].double()).sum())
+                     for i in range(2 * G)])  # fmt: skip
+    r = batch.rewards.double().view(-1, G)
+    weight = (w**2 * brute).view(-1, G)
+    b_star = (weight * r).sum(-1) / weight.sum(-1)
+    torch.testing.assert_close(
+        vcpo_baseline(torch.log(w), brute, batch.rewards.double(), G), b_star, rtol=1e-10, atol=0
+    )
+
+    # Through the module (norms computed inside micro_batch_loss): advantages are (r - b*) / sigma.
+    _, out, _, _ = module.micro_batch_loss(batch, batch)
+    expected = ((r - b_star[:, None]) / r.std(-1, unbiased=False, keepdim=True)).reshape(-1)
+    torch.testing.assert_close(out.advantages, expected, rtol=1e-9, atol=1e-12)
+    # The per-trajectory backward passes leave no trace in .grad.
+    assert all(p.grad is None for p in module.actor.parameters())
+
+
+def test_vcpo_baseline_edge_cases():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.3, 0.6, 0.9], dtype=torch.float64)
+    log_w = torch.tensor([800.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # w = e^800 would overflow
+    norms = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # group 2: all weights zero
+    b = vcpo_baseline(log_w, norms, rewards, 3)
+    torch.testing.assert_close(b, torch.tensor([1.0, 0.6], dtype=torch.float64))  # dominated row; plain mean
+    with pytest.raises(ValueError, match="grad_norms_sq"):
+        vcpo_baseline(log_w, norms[:4], rewards, 3)
+
+
+def test_vcpo_without_grad_norms_names_the_field():
+    terms = PolicyTerms(torch.zeros(2, 1), torch.zeros(2, 1), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2),
+                        torch.zeros(2, dtype=torch.long), 2)  # fmt: skip
+    with pytest.raises(ValueError, match="grad_norms_sq"):
+        CORRECTIONS["vcpo"].fn(terms, 8.0)
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [
+        ([1.0, 1.0, 1.0, 1.0], 1.0),  # on-policy: ESS = n
+        ([1.0, 0.0, 0.0, 0.0], 0.5),  # one trajectory carries everything: ESS = 1, sqrt(1/4)
+        ([2.0, 1.0, 1.0, 0.0], math.sqrt((4.0**2 / 6.0) / 4.0)),  # (sum w)^2 / sum w^2 = 16/6
+        ([3.0, 1.0], math.sqrt((4.0**2 / 10.0) / 2.0)),
+    ],
+)
+def test_ess_step_factor_on_hand_made_ratios(weights, expected):
+    log_w = torch.log(torch.tensor(weights, dtype=torch.float64))
+    assert float(ess_step_factor(log_w)) == pytest.approx(expected, rel=1e-12)
+    assert float(ess_step_factor(log_w + 500.0)) == pytest.approx(expected, rel=1e-12)  # scale-free, no overflow
+
+
+def test_vcpo_lr_scaled_for_one_step_then_restored():
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.ones(3)
+    rule = ESSStepSize()
+    log_w = torch.log(torch.tensor([2.0, 1.0, 1.0], dtype=torch.float64))
+    logged = rule.before_step([param], optimizer, {"log_rho": log_w})
+    factor = math.sqrt((4.0**2 / 6.0) / 3.0)
+    assert logged["vcpo/lr_factor"] == pytest.approx(factor, rel=1e-12)
+    optimizer.step()
+    torch.testing.assert_close(param.detach(), torch.full((3,), -0.1 * factor))  # the step used lr * factor
+    rule.after_step(optimizer)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def unit(theta: float) -> torch.Tensor:
+    return torch.tensor([math.cos(theta), math.sin(theta), 0.0], dtype=torch.float64)
+
+
+def cos(a, b) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("cosine", [-0.6, 0.0, 0.02, 0.05, 0.051, 0.2, 0.3, 0.31, 0.9])
+def test_gac_shift_three_regimes(cosine):
+    prev = torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64)
+    g = 3.0 * unit(math.acos(cosine)) + torch.tensor([0.0, 0.0, 1.5], dtype=torch.float64)
+    measured, shift = gac_shift(float(g @ prev), float(g @ g), float(prev @ prev))
+    assert measured == pytest.approx(cos(g, prev), abs=1e-12)
+    projected = g - shift * prev
+    torch.testing.assert_close(projected[1:], g[1:])  # the part orthogonal to g_prev is never touched
+    if measured <= 0.05:
+        assert shift == 0.0
+    elif measured <= 0.30:
+        assert cos(projected, prev) == pytest.approx(0.05, abs=1e-12)
+        assert 0 < projected[0] < g[0]  # shrunk, not flipped
+    else:
+        assert cos(projected, prev) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_gac_projection_is_global_over_all_parameters():
+    """Two tensors whose own cosines disagree (0.96 and -0.31): the rule uses the cosine of the concatenation."""
+    a, b = (
+        torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
+    )
+    rule = GradientProjection()
+    prev = [torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)]
+    a.grad, b.grad = prev[0].clone(), prev[1].clone()
+    assert rule.before_step([a, b], None, {}) == {}  # first step: nothing to compare with
+    new = [torch.tensor([1.0, 0.3], dtype=torch.float64), torch.tensor([0.2, -0.5, 1.5], dtype=torch.float64)]
+    a.grad, b.grad = new[0].clone(), new[1].clone()
+    logged = rule.before_step([a, b], None, {})
+
+    g, p = torch.cat(new), torch.cat(prev)
+    assert logged["gac/cosine"] == pytest.approx(cos(g, p), abs=1e-12)
+    assert 0.05 < cos(g, p) <= 0.30  # the shrink regime
+    # Reference by bisection: the multiple t of g_prev to keep so that cos(g_perp + t g_prev, g_prev) = 0.05.
+    perp = g - (g @ p) / (p @ p) * p
+    lo, hi = 0.0, float((g @ p) / (p @ p))
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cos(perp + mid * p, p) < 0.05 else (lo, mid)
+    expected = perp + lo * p
+    torch.testing.assert_close(torch.cat([a.grad, b.grad]), expected, rtol=1e-10, atol=1e-12)
+    assert logged["gac/projected_cosine"] == pytest.approx(0.05, abs=1e-12)
+    assert cos(torch.cat([a.grad, b.grad]), p) == pytest.approx(0.05, abs=1e-12)
+    torch.testing.assert_close(torch.cat(rule.state_dict()["previous"]), g)  # keeps the raw gradient
+
+
+def test_a3po_alpha_per_delay():
+    torch.testing.assert_close(a3po_alpha(torch.tensor([0, 1, 5])), torch.tensor([1.0, 1.0, 0.2], dtype=torch.float64))
+    with pytest.raises(ValueError, match="delays"):
+        a3po_alpha(torch.tensor([-1]))
+
+
+def hand_terms(token_logprobs, behavior, delays, rewards, group_size=2) -> PolicyTerms:
+    mask = torch.ones_like(behavior, dtype=torch.bool)
+    return PolicyTerms(token_logprobs, behavior, mask, rewards, delays, group_size)
+
+
+def test_a3po_masks_tokens_whose_behaviour_weight_exceeds_five():
+    # tau = 5, alpha = 0.2: pi_prox / pi_b = exp(0.8 (log pi - l)); the cap 5 is crossed at log pi - l = ln(5)/0.8.
+    edge = math.log(5.0) / 0.8
+    gap = torch.tensor([[0.0, edge - 1e-6, edge + 1e-6], [-0.3, 0.5, 1.0]], dtype=torch.float64)
+    behavior = torch.full_like(gap, -2.0)
+    logprobs = (behavior + gap).requires_grad_(True)
+    out = a3po(hand_terms(logprobs, behavior, torch.tensor([5, 5]), torch.tensor([1.0, 0.0], dtype=torch.float64)), 0.2)
+    kept_weight = torch.exp(0.8 * gap)
+    ratio = torch.exp(0.2 * gap)
+    adv = torch.tensor([[0.5], [-0.5]], dtype=torch.float64)
+    expected = -kept_weight * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    expected[0, 2] = 0.0  # masked: weight just above 5
+    torch.testing.assert_close(out.token_loss, expected, rtol=1e-12, atol=1e-14)
+    (grad,) = torch.autograd.grad(out.token_loss.sum(), logprobs)
+    assert grad[0, 2] == 0.0 and grad[0, 0] != 0.0  # masked token vs a kept, unclipped one
+    assert float(out.extra["a3po/masked_fraction"]) == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a3po_is_ppo_clip_at_small_delay(delay):
+    gen = torch.Generator().manual_seed(delay)
+    behavior = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 3
+    logprobs = (behavior + 0.5 * torch.randn(4, 5, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    out = a3po(hand_terms(logprobs, behavior, torch.full((4,), delay), rewards), 0.2)
+    adv = O.group_centered_advantages(rewards, 2)
+    ppo = O.ppo_clip_token_loss(logprobs, behavior, torch.ones_like(behavior, dtype=torch.bool), adv, 0.2)
+    assert torch.equal(out.token_loss, ppo)
+    assert torch.equal(*(torch.autograd.grad(x.sum(), logprobs)[0] for x in (out.token_loss, ppo)))
+
+
+@pytest.mark.parametrize(("name", "cap"), [("cispo", 1.28), ("tis", 2.0)])
+def test_token_ratio_truncation(name, cap):
+    gap = torch.tensor([[-1.0, 0.0, 0.2], [0.5, 1.0, 3.0]], dtype=torch.float64)
+    behavior = torch.full_like(gap, -1.5)
+    logprobs = (behavior + gap).requires_grad_(True)
+    rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    entry = CORRECTIONS[name]
+    out = entry.fn(hand_terms(logprobs, behavior, torch.zeros(2, dtype=torch.long), rewards), entry.default_eps)
+    adv = torch.tensor([1.0, -1.0]) if name == "cispo" else torch.tensor([0.5, -0.5])  # std-normalised vs centred
+    (grad,) = torch.autograd.grad(out.token_loss.sum(), logprobs)
+    torch.testing.assert_close(grad, -torch.exp(gap).clamp(max=cap) * adv.double()[:, None])
+    assert float(out.extra[f"{name}/truncated_fraction"]) == pytest.approx(3 / 6 if name == "cispo" else 2 / 6)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_micro_batches_of_groups_add_up_to_the_full_batch(name, actor_dir, tokenizer):
+    module = load_module(actor_dir, name)
+    batch = make_batch(module.actor, tokenizer)
+    whole = flat_grad(module.micro_batch_loss(batch, batch)[0], module.actor)
+    parts = sum(
+        flat_grad(module.micro_batch_loss(batch, batch.groups_slice(b, b + 1))[0], module.actor) for b in range(2)
+    )
+    torch.testing.assert_close(parts, whole, rtol=1e-9, atol=1e-12)
+
+
+class Recorder(pl.Callback):
+    """Loss, the optimizer's lr at the step, and the logged scalars of every training step."""
+
+    def __init__(self) -> None:
+        self.losses, self.step_lrs, self.metrics, self.rule_states = [], [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if pl_module.step_rule is not None:  # the rule replaces (never mutates) its state, so a reference will do
+            self.rule_states.append(pl_module.step_rule.state_dict())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.step_lrs.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def fit(correction: str, steps: int, tmp_path, *, planned: int | None = None, ckpt_path=None):
+    module = GMCModule(correction=correction, micro_batch_groups=2)
+    data = RolloutDataModule(schedule="fixed_delay", delay=2, group_size=4, batch_prompts=4,
+                             total_updates=planned or steps)  # fmt: skip
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        callbacks=[WeightSync(), recorder],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, module, recorder
+
+
+RULE_METRICS = {"vcpo": "vcpo/lr_factor", "gac": "gac/cosine", "a3po": "a3po/masked_fraction",
+                "cispo": "cispo/truncated_fraction", "tis": "tis/truncated_fraction"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_tiny_fit_with_fixed_delay_gives_finite_loss(name, tmp_path):
+    trainer, module, rec = fit(name, 20, tmp_path)
+    assert trainer.global_step == 20 and len(rec.losses) == 20
+    assert all(math.isfinite(x) for x in rec.losses)
+    assert RULE_METRICS[name] in rec.metrics[-1]
+    assert rec.metrics[-1]["delay/mean"] == 2.0
+    if name == "vcpo":  # the step used the scheduled lr times this step's ESS factor, and only that step
+        for step, (lr, metrics) in enumerate(zip(rec.step_lrs, rec.metrics, strict=True)):
+            scheduled = module.hparams.lr * cosine_with_warmup(step, 20, 0)
+            assert lr == pytest.approx(scheduled * metrics["vcpo/lr_factor"], rel=1e-6)
+
+
+def test_gac_state_survives_checkpoint_and_resume(tmp_path):
+    # The data schedule restores its planned length from the checkpoint, so both runs plan 3 updates.
+    trainer, module, _ = fit("gac", 2, tmp_path / "a", planned=3)
+    saved = [t.clone() for t in module.step_rule.previous]
+    ckpt = tmp_path / "gac.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    trainer2, _, rec = fit("gac", 3, tmp_path / "b", ckpt_path=str(ckpt))
+    assert trainer2.global_step == 3 and len(rec.losses) == 1
+    restored = rec.rule_states[0]["previous"]  # the step rule's state when the first resumed step began
+    assert len(restored) == len(saved) and all(torch.equal(a, b) for a, b in zip(restored, saved, strict=True))
+    assert "gac/cosine" in rec.metrics[0]  # a fresh rule logs no cosine on its first step: this one had g_prev
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_cli_selects_each_baseline_with_its_defaults(name, tmp_path, monkeypatch):
+    """The embedded tiny config plus one option (and eps/aggregation left to the rule) builds each baseline."""
+    from lit_gmc.cli import GMCCLI, embedded_default
+
+    monkeypatch.setattr("sys.argv", ["lit_gmc"])
+    args = ["--config", embedded_default(), f"--model.correction={name}", "--model.eps=null",
+            "--model.aggregation=null", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    cli = GMCCLI(args=args, run=False)
+    entry = CORRECTIONS[name]
+    assert cli.model.rule is entry
+    assert cli.model.eps == entry.default_eps and cli.model.aggregation == entry.aggregation
+    assert (cli.model.step_rule is None) == (entry.step_rule is None)

@@ -1,0 +1,90 @@
+import json
+import re
+
+import pytest
+
+from lit_gmc.data.answers import last_boxed, strip_dollars
+from lit_gmc.data.benchmarks import BENCHMARKS, load_benchmark, load_gsm8k, load_olympiadbench
+from lit_gmc.data.math_data import MathScorer, is_local
+
+COUNTS = {"math500": 500, "gsm8k": 1319, "gaokao2023en": 385, "olympiadbench": 675, "minerva": 272, "amc23": 40}
+
+
+def rows(path):
+    return [json.loads(line) for line in path.open()]
+
+
+@pytest.mark.parametrize(("name", "count"), list(COUNTS.items()))
+def test_row_counts(shared_data, name, count):
+    bench = load_benchmark(name, data_dir=str(shared_data))
+    assert len(bench.items) == count
+    assert bench.name == name and bench.title == BENCHMARKS[name].title
+    assert all(isinstance(it.problem, str) and it.problem for it in bench.items)
+    assert not any(re.search(r"(?<!\\)\$", it.answer) for it in bench.items)  # math delimiters are gone
+
+
+def test_paper_sample_counts():
+    assert {name: spec.samples for name, spec in BENCHMARKS.items()} == {
+        "math500": 16, "gsm8k": 8, "gaokao2023en": 8, "olympiadbench": 8, "minerva": 16, "amc23": 16,
+    }  # fmt: skip
+
+
+def test_answer_formats(shared_data):
+    gsm8k = load_benchmark("gsm8k", data_dir=str(shared_data)).items
+    assert gsm8k[0].answer == "18" and all(re.fullmatch(r"-?\d+(\.\d+)?", it.answer) for it in gsm8k)
+    raw_gsm8k = rows(shared_data / "gsm8k_test.jsonl")
+    assert any("," in r["answer"].rsplit("####", 1)[1] for r in raw_gsm8k)  # separators existed and were removed
+    amc = load_benchmark("amc23", data_dir=str(shared_data)).items
+    assert [it.answer for it in amc[:3]] == ["27", "36", "45"]
+    minerva = load_benchmark("minerva", data_dir=str(shared_data)).items
+    raw_minerva = rows(shared_data / "minerva_math_test.jsonl")
+    assert [it.answer for it in minerva] == [strip_dollars(last_boxed(r["solution"])) for r in raw_minerva]
+    olympiad = load_benchmark("olympiadbench", data_dir=str(shared_data)).items
+    raw_olympiad = rows(shared_data / "olympiadbench_OE_TO_maths_en_COMP_test.jsonl")
+    multi = [(it.answer, r["final_answer"]) for it, r in zip(olympiad, raw_olympiad, strict=True)
+             if r["is_multiple_answer"]]  # fmt: skip
+    assert len(multi) == 94
+    assert ("(1,8,19), (2,7,13), (4,5,7)", ["$(1,8,19), (2,7,13), (4,5,7)$"]) in multi
+    gaokao = load_benchmark("gaokao2023en", data_dir=str(shared_data)).items
+    assert gaokao[0].answer == "\\{x|-2\\leq x < 1\\}"
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    s = MathScorer(num_workers=2, timeout_s=10.0)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("name", list(COUNTS))
+def test_references_verify_against_themselves(shared_data, scorer, name):
+    items = load_benchmark(name, data_dir=str(shared_data)).items[:15]
+    pairs = [(f"so the answer is $\\boxed{{{it.answer}}}$.", it.answer) for it in items]
+    assert scorer.score_pairs(pairs) == [1.0] * len(items)
+
+
+def write(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def test_bad_rows_name_the_file_and_line(tmp_path):
+    gsm = write(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "#### 3"}, {"question": "q", "answer": "3"}])
+    with pytest.raises(ValueError, match=r"gsm\.jsonl:2: no '#### <answer>' line"):
+        load_gsm8k(gsm)
+    oly = write(tmp_path / "oly.jsonl", [{"question": "q", "final_answer": []}])
+    with pytest.raises(ValueError, match=r"oly\.jsonl:1: field 'final_answer'"):
+        load_olympiadbench(oly)
+    amc = write(tmp_path / "amc.jsonl", [{"problem": "p", "answer": 1.0}, {"problem": "p"}])
+    with pytest.raises(ValueError, match=r"amc\.jsonl:2: missing field 'answer'"):
+        load_benchmark("amc23", source=amc)
+
+
+def test_unknown_benchmark_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown benchmark 'mmlu'; known: math500, gsm8k"):
+        load_benchmark("mmlu")
+
+
+def test_local_paths_and_hub_names_are_told_apart(tmp_path):
+    assert is_local("data/x.jsonl") and is_local(str(tmp_path))
+    assert not is_local("HuggingFaceH4/MATH-500")

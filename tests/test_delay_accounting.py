@@ -1,0 +1,133 @@
+"""``DelayAccounting``: per-update delay histogram, running tau_bar_2 / tau_bar_4 (eq. 11), virtual-clock prediction.
+
+The callback is meant for any Lightning project, so it is tested with a real Trainer on a one-parameter module
+whose batches carry prescribed delays; every logged value is checked against eq. 11 written out directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from lit_gmc.callbacks.delays import DelayAccounting
+from lit_gmc.tblog import read_scalars
+
+DELAYS = [[0, 0], [1, 1], [2, 0], [3, 5], [4, 4], [7, 1], [2, 2], [9, 0]]  # per update, two trajectories each
+LENGTHS = [[3, 5], [4, 4], [2, 6], [1, 1], [8, 2], [3, 3], [5, 5], [4, 2]]
+
+
+@dataclass
+class DelayBatch:
+    delays: torch.Tensor
+    lengths: torch.Tensor
+    info: dict = field(default_factory=dict)
+
+
+class DelayModule(pl.LightningModule):
+    """Fits one scalar; returns the batch's delays and lengths as the GMC learner does."""
+
+    def __init__(self, with_delays: bool = True) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+        self.with_delays = with_delays
+
+    def training_step(self, batch: DelayBatch, batch_idx: int):
+        loss = ((self.w - 1.0) ** 2).sum()
+        if not self.with_delays:
+            return {"loss": loss}
+        return {"loss": loss, "delays": batch.delays, "response_lengths": batch.lengths}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(per_length: float | None, steps: range = range(len(DELAYS))):
+    info = {} if per_length is None else {"delay_per_length": per_length}
+    batches = [DelayBatch(torch.tensor(DELAYS[k]), torch.tensor(LENGTHS[k]), dict(info)) for k in steps]
+    return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+
+def trainer(tmp_path, callbacks, max_steps=None, name="run", **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=max_steps or len(DELAYS), logger=TensorBoardLogger(tmp_path, name=name), callbacks=callbacks, log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs,
+    )  # fmt: skip
+
+
+def direct_moments(upto: int) -> tuple[float, float, float]:
+    """eq. 11 written out: (1/n) sum_{k<n} of the update's mean tau^p, for p = 1, 2, 4."""
+    n = upto + 1
+    per_update = [[float(t) for t in DELAYS[k]] for k in range(n)]
+    return tuple(sum(sum(t**p for t in d) / len(d) for d in per_update) / n for p in (1, 2, 4))
+
+
+def test_logs_eq_11_moments_and_the_virtual_clock_prediction(tmp_path):
+    trainer(tmp_path, [DelayAccounting()], enable_checkpointing=False).fit(DelayModule(), loader(per_length=0.5))
+    scalars = {tag: dict(points) for tag, points in read_scalars(tmp_path / "run").items()}
+    for step in range(len(DELAYS)):
+        mean, tau2, tau4 = direct_moments(step)
+        assert scalars["delay/running_mean"][step] == pytest.approx(mean, rel=1e-6)
+        assert scalars["delay/tau_bar_2"][step] == pytest.approx(tau2, rel=1e-6)
+        assert scalars["delay/tau_bar_4"][step] == pytest.approx(tau4, rel=1e-6)
+        lengths = [x for k in range(step + 1) for x in LENGTHS[k]]
+        assert scalars["delay/predicted_mean"][step] == pytest.approx(0.5 * sum(lengths) / len(lengths), rel=1e-6)
+
+
+def test_histogram_every_n_steps_and_no_prediction_without_a_clock(tmp_path):
+    trainer(tmp_path, [DelayAccounting(histogram_every_n_steps=3)], enable_checkpointing=False).fit(
+        DelayModule(), loader(per_length=None)
+    )
+    assert "delay/predicted_mean" not in read_scalars(tmp_path / "run")
+    (events,) = (tmp_path / "run").rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"histograms": 0})
+    acc.Reload()
+    histograms = acc.Histograms("delay/histogram")
+    assert [h.step for h in histograms] == [0, 3, 6]
+    assert [h.histogram_value.num for h in histograms] == [2.0, 2.0, 2.0]
+    assert histograms[1].histogram_value.sum == pytest.approx(sum(DELAYS[3]))
+
+
+def test_state_survives_a_checkpoint_resume(tmp_path):
+    unbroken = DelayAccounting()
+    trainer(tmp_path, [unbroken], enable_checkpointing=False, name="unbroken").fit(DelayModule(), loader(0.5))
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    trainer(tmp_path, [DelayAccounting(), checkpoint], max_steps=5, name="first").fit(DelayModule(), loader(0.5))
+    resumed = DelayAccounting()
+    trainer(tmp_path, [resumed], enable_checkpointing=False, name="second").fit(
+        DelayModule(), loader(0.5, range(5, len(DELAYS))), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    )
+    assert resumed.moments.state_dict() == pytest.approx(unbroken.moments.state_dict())
+    assert (resumed.length_sum, resumed.length_count) == (unbroken.length_sum, unbroken.length_count)
+    assert resumed.sum_mean_delay == pytest.approx(unbroken.sum_mean_delay)
+
+
+def test_missing_delays_is_a_clear_error(tmp_path):
+    with pytest.raises(KeyError, match="DelayAccounting needs training_step to return a dict with 'delays'"):
+        trainer(tmp_path, [DelayAccounting()], enable_checkpointing=False).fit(
+            DelayModule(with_delays=False), loader(None)
+        )
+
+
+def test_bad_period_is_named():
+    with pytest.raises(ValueError, match="histogram_every_n_steps must be >= 1"):
+        DelayAccounting(histogram_every_n_steps=0)
+
+
+def test_callbacks_package_stays_free_of_heavy_imports():
+    import subprocess
+    import sys
+
+    # lightning.pytorch itself may import transformers (an optional integration); count only what we add.
+    code = ("import sys, lightning.pytorch; heavy = ('transformers', 'vllm', 'lit_gmc.module'); "
+            "before = {m for m in heavy if m in sys.modules}; import lit_gmc.callbacks.delays; "
+            "print(sorted(m for m in heavy if m in sys.modules and m not in before))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"

@@ -1,0 +1,212 @@
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lit_gmc.actor import build_char_tokenizer
+from lit_gmc.callbacks.evaluation import Evaluation, Suite, evaluate_suites, scalars_of
+from lit_gmc.callbacks.weight_sync import WeightSync
+from lit_gmc.cli import GMCCLI
+from lit_gmc.data.datamodule import RolloutDataModule
+from lit_gmc.data.math_data import MathScorer, make_prompts
+from lit_gmc.module import GMCModule
+from lit_gmc.tblog import read_scalars
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ScriptedEngine:
+    """A GenerationEngine whose responses are fixed per reference answer (greedy: one text; sampled: a list)."""
+
+    def __init__(self, tokenizer, greedy: dict[str, str], sampled: dict[str, list[str]]) -> None:
+        self.tokenizer, self.greedy, self.sampled = tokenizer, greedy, sampled
+        self.calls = []
+
+    def generate(self, prompts, n, sampling):
+        self.calls.append((len(prompts), n, sampling.temperature, sampling.top_p, sampling.max_new_tokens))
+        groups = []
+        for prompt in prompts:
+            texts = [self.greedy[prompt.answer]] if sampling.temperature == 0 else self.sampled[prompt.answer][:n]
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            rows = torch.full((n, max(map(len, ids))), self.tokenizer.pad_token_id)
+            for row, seq in enumerate(ids):
+                rows[row, : len(seq)] = torch.tensor(seq)
+            groups.append(SimpleNamespace(response_ids=rows))
+        return groups
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    s = MathScorer(num_workers=1)
+    yield s
+    s.close()
+
+
+def test_evaluate_suites_computes_the_papers_metrics(scorer):
+    tokenizer = build_char_tokenizer("".join(chr(c) for c in range(32, 127)))  # every printable ASCII character
+    engine = ScriptedEngine(
+        tokenizer,
+        greedy={"5": "so \\boxed{5}", "\\frac{1}{2}": "\\boxed{3}", "7": "\\boxed{7}"},
+        sampled={
+            "5": ["\\boxed{5}", "\\boxed{6}", "\\boxed{10/2}", "no box"],  # 2 of 4
+            "\\frac{1}{2}": ["\\boxed{0.5}", "\\boxed{2}", "\\boxed{1}", "\\boxed{}"],  # 1 of 4
+            "7": ["\\boxed{7}"] * 4,
+        },
+    )
+    suites = [
+        Suite("a", "A", make_prompts([(0, "p0", "5"), (1, "p1", "\\frac{1}{2}")]), 4, (1, 2, 4)),
+        Suite("b", "B", make_prompts([(0, "q0", "7")]), 4, (1, 2, 4)),
+    ]
+    results = evaluate_suites(engine, tokenizer, scorer, suites, max_new_tokens=32, seed=3)
+    a = results["benchmarks"]["a"]
+    assert a == pytest.approx({"title": "A", "problems": 2, "n": 4, "greedy": 0.5, "avg@n": 0.375,
+                               "pass@1": 0.375, "pass@2": (5 / 6 + 1 / 2) / 2, "pass@4": 1.0})  # fmt: skip
+    assert results["benchmarks"]["b"]["greedy"] == 1.0 and results["benchmarks"]["b"]["avg@n"] == 1.0
+    assert results["macro"] == pytest.approx({"greedy": 0.75, "avg@n": (0.375 + 1.0) / 2})
+    # greedy at T=0, then n samples at T=1 and top-p 1, with the completion budget
+    assert engine.calls == [(2, 1, 0.0, 1.0, 32), (2, 4, 1.0, 1.0, 32), (1, 1, 0.0, 1.0, 32), (1, 4, 1.0, 1.0, 32)]
+    assert set(scalars_of(results)) == {
+        "eval/a/greedy", "eval/a/avg@4", "eval/a/pass@1", "eval/a/pass@2", "eval/a/pass@4",
+        "eval/b/greedy", "eval/b/avg@4", "eval/b/pass@1", "eval/b/pass@2", "eval/b/pass@4",
+        "eval/macro/greedy", "eval/macro/avg@n",
+    }  # fmt: skip
+
+
+def test_options_are_checked_together():
+    with pytest.raises(ValueError) as err:
+        Evaluation(benchmarks=[], every_n_steps=0, samples=0, max_new_tokens=0)
+    message = str(err.value)
+    assert all(flag in message for flag in ("benchmarks", "every_n_steps", "samples", "max_new_tokens"))
+
+
+def test_setup_fails_clearly_without_an_engine(shared_data):
+    callback = Evaluation(benchmarks=["amc23"], data_dir=str(shared_data))
+    with pytest.raises(TypeError, match="generate\\(prompts, n, sampling\\)"):
+        callback.setup(pl.Trainer(logger=False, enable_checkpointing=False), None, "fit")
+    with pytest.raises(ValueError, match="unknown benchmarks \\['mmlu'\\]"):
+        Evaluation(benchmarks=["mmlu"]).setup(pl.Trainer(logger=False, enable_checkpointing=False), None, "fit")
+
+
+def test_callbacks_stay_light():
+    # lightning.pytorch imports torchmetrics, which imports transformers whenever it is installed, so what can be
+    # checked is that our callback modules pull in nothing of ours beyond themselves (no learner, actor or data
+    # code, through which transformers and vllm would come) and no vllm.
+    code = (
+        "import sys, lightning.pytorch\n"
+        "before = set(sys.modules)\n"
+        "import lit_gmc.callbacks.evaluation, lit_gmc.callbacks.metrics\n"
+        "new = set(sys.modules) - before\n"
+        "print(sorted(m for m in new if m.startswith(('lit_gmc', 'vllm'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(sorted(["lit_gmc", "lit_gmc.callbacks", "lit_gmc.callbacks.evaluation",
+                                             "lit_gmc.callbacks.metrics"]))  # fmt: skip
+
+
+def make_run(root: Path, shared_data: Path, max_steps: int, ckpt_dir: Path):
+    model = GMCModule(actor="tiny", max_response_length=4)
+    data = RolloutDataModule(actor="tiny", delay=0, group_size=2, batch_prompts=2, max_new_tokens=4,
+                             total_updates=max_steps)  # fmt: skip
+    evaluation = Evaluation(
+        benchmarks=["amc23", "gsm8k"], every_n_steps=2, at_steps=[0], data_dir=str(shared_data), samples=2,
+        max_new_tokens=4, max_prompt_tokens=50, max_problems=3, verifier_workers=1,
+    )
+    trainer = pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=TensorBoardLogger(str(root), name="run", version=0),
+        callbacks=[WeightSync(), evaluation, ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0,
+    )
+    return trainer, model, data, evaluation
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shared_data):
+    root = tmp_path_factory.mktemp("eval_run")
+    trainer, model, data, evaluation = make_run(root, shared_data, 4, root / "ckpt")
+    trainer.fit(model, datamodule=data)
+    return root, evaluation
+
+
+def test_callback_evaluates_on_schedule_and_logs(trained):
+    root, evaluation = trained
+    assert evaluation.evaluated_steps == [0, 2, 4]  # at_steps [0], every 2 steps, the last at the end of training
+    assert all(entry["version"] == entry["step"] for entry in evaluation.history)
+    first = evaluation.history[0]["benchmarks"]
+    assert first["amc23"]["problems"] == 3 and first["gsm8k"]["n"] == 2
+    scalars = read_scalars(root / "run" / "version_0")
+    for tag in ("eval/amc23/greedy", "eval/gsm8k/avg@2", "eval/gsm8k/pass@2", "eval/macro/greedy", "eval/macro/avg@n"):
+        assert [step for step, _ in scalars[tag]] == [0, 2, 4], tag
+    saved = json.loads((root / "run" / "version_0" / "eval" / "step_2.json").read_text())
+    assert saved["step"] == 2 and set(saved["benchmarks"]) == {"amc23", "gsm8k"}
+
+
+def test_history_is_restored_on_resume_and_not_redone(trained, shared_data, tmp_path):
+    root, evaluation = trained
+    trainer, model, data, fresh = make_run(tmp_path, shared_data, 5, tmp_path / "ckpt")
+    trainer.fit(model, datamodule=data, ckpt_path=str(root / "ckpt" / "last.ckpt"))
+    # Step 4 was evaluated before the checkpoint: the restored history keeps it from running again.
+    assert fresh.evaluated_steps == [0, 2, 4]
+    assert fresh.history == evaluation.history
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "scripts" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_evaluate_script_prints_the_table_and_writes_json(trained, shared_data, tmp_path, capsys):
+    root, _ = trained
+    out = tmp_path / "results.json"
+    load_script().main([
+        "--ckpt", str(root / "ckpt" / "last.ckpt"), "--benchmarks", "amc23", "gsm8k", "--data-dir", str(shared_data),
+        "--samples", "2", "--limit", "3", "--max-new-tokens", "4", "--max-prompt-tokens", "50",
+        "--verifier-workers", "1", "--output", str(out),
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "greedy / avg@n" in printed and "AMC23" in printed and "GSM8K" in printed and "macro average" in printed
+    report = json.loads(out.read_text())
+    assert report["actor"] == "tiny" and set(report["benchmarks"]) == {"amc23", "gsm8k"}
+    assert report["benchmarks"]["amc23"]["problems"] == 3 and "pass@2" in report["benchmarks"]["gsm8k"]
+    assert 0.0 <= report["macro"]["avg@n"] <= 1.0
+
+
+def test_evaluate_script_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit):
+        load_script().parse_args(["--actor", "tiny", "--samples", "0"])
+    assert "--samples must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "actor"), [("qwen3_1p7b", "1.7B"), ("qwen3_4b", "4B"), ("qwen3_8b", "8B")])
+def test_qwen_configs_hold_the_paper_defaults(name, actor, capsys):
+    with pytest.raises(SystemExit) as done:
+        GMCCLI(args=["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
+    assert done.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    assert model["actor"] == f"Qwen/Qwen3-{actor}-Base"  # data.actor is linked to it
+    optimizer = (model["optimizer"], model["lr"], model["betas"], model["weight_decay"])
+    assert optimizer == ("adamw8bit", 1e-6, [0.9, 0.999], 0.0)
+    assert (model["warmup_fraction"], model["max_grad_norm"], model["dtype"]) == (0.03, 1.0, "bfloat16")
+    assert (model["correction"], model["eps"], model["aggregation"]) == ("gmc", 0.28, "seq_sum_over_T")
+    assert (data["batch_prompts"], data["group_size"], data["inner_steps"]) == (8, 8, 1)
+    assert (data["max_new_tokens"], data["temperature"], data["top_p"], data["engine"]) == (4096, 1.0, 1.0, "hf")
+    assert data["task"] == "math"
+    assert data["task_options"] == {"path": "../shared/data/math_train.jsonl", "max_prompt_tokens": 1024}
+    assert trainer["max_steps"] == 800
+    callbacks = {c["class_path"].rsplit(".", 1)[1]: c.get("init_args", {}) for c in trainer["callbacks"]}
+    assert callbacks["Evaluation"]["at_steps"] == [200, 300, 400, 800]
+    periods = [c["init_args"]["every_n_train_steps"] for c in trainer["callbacks"]
+               if c["class_path"].endswith("ModelCheckpoint")]  # fmt: skip
+    saved = {s for s in range(1, 801) if any(s % p == 0 for p in periods)}
+    assert {200, 300, 400, 800} <= saved and len(saved) == 5

@@ -1,0 +1,97 @@
+"""HFEngine: behaviour log-probs agree with the learner's, weights load in place, sampling is seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_gmc.batch import collate_groups
+from lit_gmc.data.engines import HFEngine, RolloutEngine, SamplingParams
+from lit_gmc.data.tasks import Prompt
+from lit_gmc.logprobs import response_logprobs
+
+PROMPTS = [Prompt(0, "1+2=", "3"), Prompt(1, "40+23=", "63"), Prompt(2, "9+9=", "18")]
+
+
+def learner_logprobs(model, groups, pad_id, temperature=1.0):
+    batch = collate_groups(groups, pad_id=pad_id)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width,
+                                  temperature=temperature)  # fmt: skip
+    return batch, lp
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_match_the_learner_at_the_sampling_temperature(tiny_model, char_tokenizer, temperature):
+    engine = HFEngine(tiny_model, char_tokenizer)
+    groups = engine.generate(PROMPTS, 4, SamplingParams(temperature=temperature, max_new_tokens=6, seed=1))
+    batch, lp = learner_logprobs(tiny_model, groups, char_tokenizer.pad_token_id, temperature)
+    mask = batch.response_mask
+    assert mask.sum() > 0
+    torch.testing.assert_close(batch.behavior_logprobs[mask], lp[mask], atol=2e-5, rtol=0)
+    assert (batch.behavior_logprobs[~mask] == 0).all()
+
+
+def test_groups_are_well_formed(tiny_model, char_tokenizer):
+    engine = HFEngine(tiny_model, char_tokenizer)
+    assert isinstance(engine, RolloutEngine)
+    groups = engine.generate(PROMPTS, 5, SamplingParams(max_new_tokens=4, seed=0))
+    assert [g.prompt_id for g in groups] == [0, 1, 2]
+    for g in groups:
+        assert g.response_ids.shape == g.response_mask.shape == g.behavior_logprobs.shape
+        assert g.response_ids.shape[0] == 5 and g.version == 0
+        assert char_tokenizer.decode(g.prompt_ids) == g.prompt
+        eos = char_tokenizer.eos_token_id
+        for ids, mask, reason in zip(g.response_ids, g.response_mask, g.finish_reasons):
+            real = ids[mask].tolist()
+            assert (ids[~mask] == char_tokenizer.pad_token_id).all()
+            assert mask.tolist() == sorted(mask.tolist(), reverse=True)  # real tokens first
+            if reason == "stop":
+                assert real[-1] == eos and eos not in real[:-1]
+            else:
+                assert reason == "length" and eos not in real and len(real) == 4
+
+
+def test_same_seed_same_samples_other_seed_other_samples(tiny_model, char_tokenizer):
+    engine = HFEngine(tiny_model, char_tokenizer)
+    a = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=5))
+    b = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=5))
+    c = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=6))
+    assert all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(a, b))
+    assert not all(torch.equal(x.response_ids, z.response_ids) for x, z in zip(a, c))
+
+
+def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tokenizer):
+    engine = HFEngine(tiny_model, char_tokenizer)
+    before = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=2))
+    new = {name: p.detach() + 0.5 * torch.randn_like(p) for name, p in tiny_model.named_parameters()}
+    engine.load_weights(new.items(), version=7)
+    assert engine.version == 7
+    for name, p in engine.model.named_parameters():
+        torch.testing.assert_close(p, new[name])
+    # the engine now samples from the new weights: its log-probs are the new model's, not the old one's
+    tiny_model.load_state_dict(new, strict=False)
+    after = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=2))
+    assert all(g.version == 7 for g in after)
+    batch, lp = learner_logprobs(tiny_model, after, char_tokenizer.pad_token_id)
+    torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask], lp[batch.response_mask], atol=2e-5, rtol=0)
+    assert not all(torch.equal(x.behavior_logprobs, y.behavior_logprobs) for x, y in zip(before, after))
+    with pytest.raises(KeyError, match="nonexistent"):
+        engine.load_weights([("nonexistent.weight", torch.zeros(1))], version=8)
+
+
+def test_greedy_is_deterministic_across_seeds(tiny_model, char_tokenizer):
+    engine = HFEngine(tiny_model, char_tokenizer)
+    a = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.0, max_new_tokens=5, seed=1))
+    b = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.0, max_new_tokens=5, seed=2))
+    for x, y in zip(a, b):
+        assert torch.equal(x.response_ids, y.response_ids)
+        assert torch.equal(x.response_ids[0], x.response_ids[1])
+
+
+def test_engine_batches_large_requests_without_changing_groups(tiny_model, char_tokenizer):
+    small = HFEngine(tiny_model, char_tokenizer, batch_rows=4)  # one prompt x 4 samples per generate call
+    groups = small.generate(PROMPTS, 4, SamplingParams(max_new_tokens=5, seed=3))
+    assert [g.prompt_id for g in groups] == [0, 1, 2]
+    batch, lp = learner_logprobs(tiny_model, groups, char_tokenizer.pad_token_id)
+    torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask], lp[batch.response_mask], atol=2e-5, rtol=0)

@@ -1,0 +1,138 @@
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from lit_gmc.data import rewards
+from lit_gmc.data.rewards import MathVerifier
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = MathVerifier(num_workers=2, timeout_s=4.0)
+    yield v
+    v.close()
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "expected"),
+    [
+        ("so $x = \\boxed{\\frac12}$", "\\frac{1}{2}", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{(x+2)(x+5)}", "x^2+7x+10", 1.0),
+        ("\\boxed{84, 69}", "69,84", 1.0),  # list answers compare as sets
+        ("\\boxed{27.0}", "27", 1.0),
+        ("\\boxed{2125}", "2,125", 1.0),
+        ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "(3,\\pi/2)", 1.0),
+        ("\\boxed{1} first, then \\boxed{2}", "1", 0.0),  # only the last box counts
+        ("\\boxed{1/3}", "\\frac{1}{2}", 0.0),
+        ("the answer is 1/2", "\\frac{1}{2}", 0.0),  # no box: no reward
+        ("\\boxed{}", "", 0.0),  # an empty reference is never matched
+    ],
+)
+def test_rewards_follow_math_verify_on_the_last_box(verifier, response, reference, expected):
+    assert verifier.score([response], reference) == [expected]
+
+
+ADVERSARIAL = {
+    "deep braces": "\\boxed{" + "{" * 400 + "1" + "}" * 400 + "}",
+    "very deep braces": "\\boxed{" + "{" * 100_000 + "}" * 100_000 + "}",
+    "unclosed box": "the answer is \\boxed{5",
+    "power tower": "\\boxed{10^{10^{10}}}",
+    "taller tower": "\\boxed{9^{9^{9^{9}}}}",
+    "huge factorial": "\\boxed{(10^{10})!}",
+    "100 kB junk": "".join(chr(32 + (i * 7919) % 95) for i in range(100_000)),
+    "junk box": "\\boxed{" + "x^" * 50_000 + "}",
+    "short junk box": "\\boxed{" + "".join(chr(32 + (i * 7919) % 95) for i in range(900)).replace("}", "") + "}",
+    "sympy chokes": "\\boxed{\\frac{\\sqrt[}{}}\\int_\\infty^{\\left(}}",
+    "bad environment": "\\boxed{\\begin{pmatrix} 1 & \\end{array}}",
+    "control chars": "\\boxed{\x00\x01\x1b[31m\ud800}",
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_responses_score_zero_without_raising(verifier, name):
+    assert verifier.score([ADVERSARIAL[name]], "5") == [0.0]
+
+
+def test_a_correct_answer_still_scores_after_adversarial_ones(verifier):
+    scores = verifier.score([*ADVERSARIAL.values(), "\\boxed{5}"], "5")
+    assert scores == [0.0] * len(ADVERSARIAL) + [1.0]
+
+
+def test_safe_from_many_threads(verifier):
+    responses = ["\\boxed{5}", "\\boxed{6}", "\\boxed{10/2}", "none"]
+    expected = verifier.score(responses, "5")
+    assert expected == [1.0, 0.0, 1.0, 0.0]
+    results, errors = [None] * 6, []
+
+    def work(slot):
+        try:
+            results[slot] = verifier.score(responses, "5")
+        except Exception as err:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(slot,)) for slot in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and results == [expected] * 6
+
+
+FAKE_WORKER = """
+import json, sys, time
+print(json.dumps("ready"), flush=True)
+for line in sys.stdin:
+    if "{mode}" == "hang":
+        time.sleep(600)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("mode", "outcome"), [("hang", "timeout"), ("die", "crash")])
+def test_a_stuck_or_dead_worker_is_replaced_and_scores_zero(monkeypatch, mode, outcome):
+    real_command = rewards.worker_command
+    monkeypatch.setattr(rewards, "worker_command", lambda *_: [sys.executable, "-c", FAKE_WORKER.format(mode=mode)])
+    v = MathVerifier(num_workers=1, timeout_s=1.0)
+    try:
+        assert v.score(["\\boxed{5}"], "5") == [0.0]
+        assert v.stats[outcome] == 1
+        (worker,) = v._workers
+        assert worker.process is None  # killed, to be restarted on the next check
+        monkeypatch.setattr(rewards, "worker_command", real_command)
+        assert v.score(["\\boxed{5}"], "5") == [1.0]  # a fresh, real worker
+    finally:
+        v.close()
+
+
+def test_a_worker_that_cannot_start_raises(monkeypatch):
+    monkeypatch.setattr(rewards, "worker_command", lambda *_: [sys.executable, "-c", "print('oops')"])
+    v = MathVerifier(num_workers=1)
+    with pytest.raises(RuntimeError, match="did not start"):
+        v.score(["\\boxed{1}"], "1")
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="num_workers"):
+        MathVerifier(num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        MathVerifier(timeout_s=0)
+
+
+def test_pickles_without_its_processes(verifier):
+    verifier.score(["\\boxed{1}"], "1")
+    clone = pickle.loads(pickle.dumps(verifier))
+    try:
+        assert clone.timeout_s == verifier.timeout_s and all(w.process is None for w in clone._workers)
+        assert clone.score(["\\boxed{1}"], "1") == [1.0]
+    finally:
+        clone.close()
+
+
+def test_the_reward_module_imports_neither_torch_nor_transformers():
+    code = "import sys, lit_gmc.data.rewards; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,101 @@
+"""Delay schedules: the delay of every consumed batch, fill, drain, losslessness, resumable state.
+
+A schedule's job is queue logic alone, so these tests drive it with a producer that stamps each batch with
+the learner's current version (the number of updates taken so far), as the engine does after WeightSync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_gmc.batch import RolloutGroup
+from lit_gmc.data.schedules import FixedDelaySchedule, SyncSchedule, build_schedule
+
+
+class VersionedProducer:
+    """Produces batches of one group stamped with ``self.version`` and a running batch id."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.launched = 0
+        self.calls: list[tuple[int, int]] = []  # (version, how many batches)
+
+    def __call__(self, count: int) -> list[list[RolloutGroup]]:
+        self.calls.append((self.version, count))
+        out = []
+        for _ in range(count):
+            group = RolloutGroup(0, "", "", torch.zeros(1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long),
+                                 torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1), ["stop"] * 2, torch.zeros(2),
+                                 version=self.version, batch_id=self.launched)  # fmt: skip
+            out.append([group])
+            self.launched += 1
+        return out
+
+
+def run(schedule, producer: VersionedProducer):
+    """Consume every batch; after each update the producer's version advances (the optimizer step)."""
+    records = []
+    while not schedule.exhausted:
+        batch, info = schedule.next_batch(producer)
+        records.append({"step": producer.version, "version": batch[0].version, "id": batch[0].batch_id, **info})
+        producer.version += 1
+    return records
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3, 8])
+def test_fixed_delay_is_exactly_d_after_the_fill_and_drains_at_the_end(delay):
+    total = 20
+    producer = VersionedProducer()
+    records = run(FixedDelaySchedule(delay, total), producer)
+    assert len(records) == total
+    delays = [r["step"] - r["version"] for r in records]
+    assert delays[:delay] == list(range(delay))  # fill: all from theta_0, consumed at steps 0..D-1
+    assert delays[delay:] == [delay] * (total - delay)  # steady state: exactly D
+    assert producer.calls[0] == ((0, delay) if delay else (0, 1))  # the fill is one call from theta_0
+    # lossless: every launched batch is consumed exactly once, in launch order
+    assert [r["id"] for r in records] == list(range(total)) and producer.launched == total
+    # the last D updates generate nothing: the queue drains
+    drain_start = total - delay
+    assert [r["draining"] for r in records] == [0.0] * drain_start + [1.0] * delay
+    assert [r["queue_depth"] for r in records[drain_start:]] == list(range(delay - 1, -1, -1))
+
+
+def test_fixed_delay_longer_than_the_run_uses_only_the_fill():
+    producer = VersionedProducer()
+    records = run(FixedDelaySchedule(50, 5), producer)
+    assert producer.calls == [(0, 5)]
+    assert [r["step"] - r["version"] for r in records] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("inner", [1, 2, 4])
+def test_sync_gives_delays_zero_to_k_minus_one(inner):
+    total = 10
+    producer = VersionedProducer()
+    records = run(SyncSchedule(inner, total), producer)
+    delays = [r["step"] - r["version"] for r in records]
+    assert delays == [i % inner for i in range(total)]
+    # one generation round per K updates, all from the version at the start of the round; the last is cut short
+    rounds = [(v, c) for v, c in producer.calls]
+    assert rounds == [(k, min(inner, total - k)) for k in range(0, total, inner)]
+
+
+def test_schedule_state_round_trips_mid_run():
+    producer = VersionedProducer()
+    schedule = FixedDelaySchedule(3, 12)
+    first = [schedule.next_batch(producer)[0][0].batch_id for _ in range(5)]
+    producer.version = 5
+    state = schedule.state_dict()
+    resumed = FixedDelaySchedule(3, 12)
+    resumed.load_state_dict(state)
+    rest_a = [resumed.next_batch(producer)[0][0].batch_id for _ in range(7)]
+    assert first + rest_a == list(range(12))
+
+
+def test_bad_schedule_arguments_are_named():
+    with pytest.raises(ValueError, match="delay must be >= 0"):
+        FixedDelaySchedule(-1, 5)
+    with pytest.raises(ValueError, match="inner_steps"):
+        SyncSchedule(0, 5)
+    with pytest.raises(ValueError, match="unknown schedule 'async'"):
+        build_schedule("async", delay=0, inner_steps=1, total_updates=3)
