@@ -369,6 +369,7 @@ class RolloutDataModule(pl.LightningDataModule):
             self.engine.close()
             self.engine = None
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Lightning skips ``teardown`` after an exception or Ctrl-C; stop every thread and the engine here."""
         self.teardown("fit")

@@ -210,6 +210,7 @@ class VLLMEngine:
         self._lock = threading.Lock()  # generate and load_weights may come from different threads
         self._asleep = False
         self._cache_stale = False
+        self._weights_valid = True
         self.llm = None
         if self.options.in_process:
             with _IN_PROCESS_LOCK:
@@ -273,10 +274,10 @@ class VLLMEngine:
             self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
             self._asleep = True
 
-    def _wake(self, tags: list[str] | None = None) -> None:
+    def _wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up(tags=tags)
-            self._asleep = tags is not None  # a partial wake leaves the rest asleep
+            self.llm.wake_up()
+            self._asleep = False
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Replace vLLM's weights with ``named_tensors`` (HF parameter names) and set ``version``."""
@@ -285,15 +286,19 @@ class VLLMEngine:
             if self.llm is None:
                 raise RuntimeError("VLLMEngine.load_weights after close()")
             was_asleep = self._asleep
-            self._wake(tags=["weights"])
+            # Reloading writes into vLLM's weight memory, which sleeping unmapped; the KV cache wakes too (it is
+            # only mapped, not copied) so that one sleep call puts everything back to sleep afterwards.
+            self._wake()
+            # A reload that fails half-way leaves layers in an undefined state: refuse to sample until one succeeds.
+            self._weights_valid = False
             if self.options.in_process:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
             else:
                 self._reload_through_shm(named)
+            self._weights_valid = True
             self._cache_stale = True
             self._version = version
             if was_asleep:
-                self._asleep = False
                 self._sleep()
 
     def _reload_through_shm(self, named: Iterable[tuple[str, Tensor]]) -> None:
@@ -324,6 +329,8 @@ class VLLMEngine:
         with self._lock:
             if self.llm is None:
                 raise RuntimeError("VLLMEngine.generate after close()")
+            if not self._weights_valid:
+                raise RuntimeError("VLLMEngine.generate after a failed load_weights: load a complete set of weights")
             self._wake()
             if self._cache_stale:
                 if self.llm.reset_prefix_cache() is False:

@@ -1,4 +1,4 @@
-"""Atomic checkpoint writes: a crash while saving never leaves a truncated ``last.ckpt`` behind."""
+"""Checkpoint writing: atomic files (a crash while saving never leaves a truncated ``last.ckpt``) and a final save."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
@@ -29,3 +31,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(staging, path)
         finally:
             staging.unlink(missing_ok=True)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``last.ckpt`` is also written when training ends between two periodic saves.
+
+    Lightning's own writes ``last.ckpt`` at the end only if it never wrote one, so with ``every_n_train_steps``
+    the final updates of a run would exist in no checkpoint.
+    """
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        super().on_train_end(trainer, pl_module)

@@ -3,7 +3,7 @@
 Two actors: the warm-started tiny actor (the embedded default's shapes: B = 8 prompts x G = 8, 6 new tokens)
 and a mid-size Qwen3 built here in code (~100M parameters, random weights, 32k vocabulary, 64 new tokens;
 random weights almost never sample EOS, so every response has the full length). Each measurement is the
-median of ``--repeats`` timed calls after one warm-up call. Run in an environment with vLLM installed
+median of ``--repeats`` timed calls after a short warm-up call (2 new tokens). Run in an environment with vLLM installed
 (``pip install -e ".[dev,cpu-vllm]"`` on CPU), e.g.:
 
     python scripts/bench_rollout.py --models tiny mid --engines hf vllm
@@ -55,8 +55,8 @@ def actors(names: list[str], workdir: Path, args) -> dict[str, tuple[str, object
     return out
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up (allocations, kernels, caches)
+def timed(fn, repeats: int, warm_up=None) -> tuple[float, object]:
+    (warm_up or fn)()  # allocations, kernels, first-call overheads
     times, result = [], None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -75,12 +75,15 @@ def build_engine(kind: str, path: str, model, tokenizer):
 
 def bench(kind: str, name: str, actor, args) -> dict[str, float]:
     path, model, tokenizer, prompts, new_tokens = actor
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu")  # where the learner's weights would live
     start = time.perf_counter()
     engine = build_engine(kind, path, model, tokenizer)
     startup = time.perf_counter() - start
     try:
         sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, seed=0)
-        seconds, groups = timed(lambda: engine.generate(prompts, args.group_size, sampling), args.repeats)
+        short = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2, seed=1)
+        seconds, groups = timed(lambda: engine.generate(prompts, args.group_size, sampling), args.repeats,
+                                warm_up=lambda: engine.generate(prompts, args.group_size, short))  # fmt: skip
         tokens = int(sum(int(g.response_mask.sum()) for g in groups))
         version = iter(range(1, 1000))
         sync, _ = timed(lambda: engine.load_weights(model.named_parameters(), next(version)), args.repeats)

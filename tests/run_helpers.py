@@ -21,7 +21,12 @@ RECORD_TAGS = ("schedule/batch_id", "schedule/launch_version", "train/reward", "
 
 
 def write_config(
-    tmp_path: Path, name: str, *, total: int, every: int | None = None, extra_callbacks: list[dict] | None = None,
+    tmp_path: Path,
+    name: str,
+    *,
+    total: int,
+    every: int | None = None,
+    extra_callbacks: list[dict] | None = None,
     **data: Any,
 ) -> Path:
     """A config for a small tiny-actor run named ``name``; ``every``: checkpoint period (None: no checkpoints)."""

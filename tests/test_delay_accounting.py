@@ -119,15 +119,3 @@ def test_missing_delays_is_a_clear_error(tmp_path):
 def test_bad_period_is_named():
     with pytest.raises(ValueError, match="histogram_every_n_steps must be >= 1"):
         DelayAccounting(histogram_every_n_steps=0)
-
-
-def test_callbacks_package_stays_free_of_heavy_imports():
-    import subprocess
-    import sys
-
-    # lightning.pytorch itself may import transformers (an optional integration); count only what we add.
-    code = ("import sys, lightning.pytorch; heavy = ('transformers', 'vllm', 'lit_gmc.module'); "
-            "before = {m for m in heavy if m in sys.modules}; import lit_gmc.callbacks.delays; "
-            "print(sorted(m for m in heavy if m in sys.modules and m not in before))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "[]"

@@ -37,7 +37,7 @@ def test_tiny_fit_with_fixed_delay_learns_and_writes_everything(tmp_path):
     assert last - first >= 0.1, f"reward did not rise: first 20 steps {first:.3f}, last 20 steps {last:.3f}"
     delays = [v for _, v in scalars["delay/max"]]
     assert delays == [float(min(step, DELAY)) for step in range(STEPS)]
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)
     assert state["global_step"] == STEPS
     assert any(key.startswith("actor.") for key in state["state_dict"])

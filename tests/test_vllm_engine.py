@@ -146,6 +146,8 @@ class TestVLLMEngine:
         with pytest.raises(Exception, match="no_such"):
             engine.load_weights([("model.no_such.weight", torch.zeros(3))], 7)
         assert engine.version == 0
+        with pytest.raises(RuntimeError, match="failed load_weights"):
+            engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=2))
 
     def test_recompute_wrapper_gives_the_learner_numerics(self, engine, saved_actor, char_tokenizer):
         wrapped = BehaviorRecompute(engine, copy.deepcopy(saved_actor[1]), char_tokenizer.pad_token_id)

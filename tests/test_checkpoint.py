@@ -1,0 +1,58 @@
+"""Checkpoint files: atomic replacement, and a last.ckpt that holds the end of the run."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_gmc.checkpoint import AtomicCheckpointIO, RunCheckpoint
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1}, path)
+
+    def crash_half_way(obj, handle, *args, **kwargs):
+        handle.write(b"partial bytes of a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint({"global_step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False) == {"global_step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"], "a temporary file was left behind"
+
+
+def test_save_replaces_and_creates_folders(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "a" / "b" / "x.ckpt"
+    io.save_checkpoint({"v": 1}, path)
+    io.save_checkpoint({"v": 2}, path)
+    assert io.load_checkpoint(path)["v"] == 2
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.w - batch).pow(2).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(7, 1), batch_size=None)
+
+
+def test_last_checkpoint_is_the_end_of_the_run_between_periodic_saves(tmp_path):
+    saver = RunCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True, save_top_k=-1)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=7, max_epochs=1, logger=False, callbacks=[saver],
+                         enable_progress_bar=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()])  # fmt: skip
+    trainer.fit(Tiny())
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 7
