@@ -82,9 +82,8 @@ class VLLMOptions:
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
-        if unknown:
-            return [f"{flag}: unknown vLLM option(s) {unknown}; known: {sorted(known)}"]
-        return cls(**options).problems(flag)
+        problems = [f"{flag}: unknown vLLM option(s) {unknown}; known: {sorted(known)}"] if unknown else []
+        return problems + cls(**{k: v for k, v in options.items() if k in known}).problems(flag)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None, flag: str = "--data.engine_options") -> VLLMOptions:

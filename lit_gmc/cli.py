@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from importlib.resources import files
 
 import torch
@@ -12,12 +13,17 @@ from lit_gmc.data.datamodule import RolloutDataModule, validate_data_args
 from lit_gmc.eps_schedules import validate_eps_schedule_args
 from lit_gmc.module import GMCModule, validate_model_args
 
-MODEL_CHECKED = ("correction", "eps", "aggregation", "lr", "warmup_fraction", "optimizer", "max_grad_norm",
-                 "micro_batch_groups", "logit_chunk_tokens", "dtype")  # fmt: skip
-EPS_CHECKED = ("eps_schedule", "eps_scale", "eps_min", "eps_max")
-DATA_CHECKED = ("task", "engine", "schedule", "delay", "inner_steps", "group_size", "batch_prompts",
-                "max_new_tokens", "temperature", "top_p", "total_updates", "c_gen", "lam", "c_update", "max_launches",
-                "workers", "chunk_prompts", "max_staleness")  # fmt: skip
+# Each validator names the options it checks by its keyword parameters, which are the init args' names.
+VALIDATORS = (("model", validate_model_args), ("model", validate_eps_schedule_args), ("data", validate_data_args))
+
+
+def collect_problems(config) -> list[str]:
+    """Every invalid option of a parsed ``fit``/``validate``/... config, one line each."""
+    problems = []
+    for group, validate in VALIDATORS:
+        names = inspect.signature(validate).parameters
+        problems += validate(**{name: config[group][name] for name in names})
+    return problems
 
 
 def embedded_default() -> str:
@@ -53,8 +59,6 @@ class GMCCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.torch_num_threads is not None:
             torch.set_num_threads(config.torch_num_threads)
-        problems = validate_model_args(**{k: config.model[k] for k in MODEL_CHECKED})
-        problems += validate_eps_schedule_args(**{k: config.model[k] for k in EPS_CHECKED})
-        problems += validate_data_args(**{k: config.data[k] for k in DATA_CHECKED})
+        problems = collect_problems(config)
         if problems:
             self.parser.error("invalid options:\n  " + "\n  ".join(problems))

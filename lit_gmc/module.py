@@ -217,6 +217,7 @@ class GMCModule(pl.LightningModule):
             entropies.append(entropy.masked_select(part.response_mask))
             logprobs.append(current)
         stats = self.collect_stats(batch, outputs, torch.cat(entropies), torch.cat(logprobs))
+        step, lr = self.global_step, optimizer.param_groups[0]["lr"]
         logged = self.step_rule.before_step(list(self.actor.parameters()), optimizer, stats) if self.step_rule else {}
         grad_norm = self.clip_and_measure()
         optimizer.step()
@@ -224,7 +225,7 @@ class GMCModule(pl.LightningModule):
             self.step_rule.after_step(optimizer)
         self.lr_schedulers().step()
         loss = torch.stack(losses).sum()
-        self.log_step(batch, loss, grad_norm, stats, logged)
+        self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
 
     def clip_and_measure(self) -> Tensor:
@@ -267,14 +268,18 @@ class GMCModule(pl.LightningModule):
                 stats.setdefault(key, []).append(value.detach())
         return {k: (torch.stack(v).mean() if isinstance(v, list) else v) for k, v in stats.items()}
 
-    def log_step(self, batch: RolloutBatch, loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor], extra: dict[str, float]) -> None:
+    def log_step(
+        self, step: int, lr: float, batch: RolloutBatch, loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor],
+        extra: dict[str, float],
+    ) -> None:
+        """Per-step scalars of update ``step`` (``lr`` is the scheduled rate it used, before any step rule)."""
         rewards = stats["rewards"]
         zero_var = rewards.view(-1, batch.group_size).std(-1, unbiased=False) == 0
         delays = stats["delays"].float()
         scalars = {
             "train/reward": rewards.mean(),
             "train/loss": loss,
-            "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
+            "train/lr": torch.tensor(lr),
             "train/grad_norm": grad_norm,
             "delay/mean": delays.mean(),
             "delay/max": delays.max(),
@@ -292,7 +297,12 @@ class GMCModule(pl.LightningModule):
         scalars.update({k: v for k, v in stats.items() if v.dim() == 0 and "/" in k})
         scalars.update({f"schedule/{k}": torch.tensor(v) for k, v in batch.info.items()})
         scalars.update({k: torch.tensor(v) for k, v in extra.items()})
-        self.log_dict({k: v.float() for k, v in scalars.items()}, on_step=True, on_epoch=False, prog_bar=False)
+        # Straight to the loggers rather than self.log: Lightning re-logs the last value of a key on steps that
+        # do not log it, which would invent mismatch readings for steps without delay-0 rows (or a first GAC
+        # cosine). The step is the one Lightning uses for this batch, the update's index n.
+        values = {k: float(v) for k, v in scalars.items()}
+        for logger in self.loggers:
+            logger.log_metrics(values, step=step)
         # Shown by Lightning's (rich) progress bar; a bar callback in the config would break enable_progress_bar=false.
         self.log("reward", rewards.mean(), prog_bar=True, on_step=True, logger=False)
         self.log("delay", delays.mean(), prog_bar=True, on_step=True, logger=False)

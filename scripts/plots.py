@@ -35,8 +35,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
-from lit_gmc.callbacks.diagnostics import centred_rolling_mean  # noqa: E402
 
+from lit_gmc.callbacks.diagnostics import centred_rolling_mean  # noqa: E402
 from lit_gmc.tblog import read_scalars  # noqa: E402
 
 WINDOW = 25
@@ -179,7 +179,7 @@ def figure_pass_at_1(runs: list[Run], out: Path) -> list[Path]:
         for label, members in group(runs, delay=delay, group_size=g).items():
             steps, mean, std = seed_mean([[(s, eval_summary(e)["pass@1"]) for s, e in sorted(r.evals.items())]
                                           for r in members])  # fmt: skip
-            line = ax.plot(steps, mean, marker="o", label=f"{label} ({len(members)} seeds)")[0]
+            line = ax.plot(steps, mean, marker="o", label=f"{label} ({seeds(len(members))})")[0]
             low = [m - s for m, s in zip(mean, std, strict=True)]
             high = [m + s for m, s in zip(mean, std, strict=True)]
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
@@ -224,29 +224,36 @@ def figure_reward_by_group_size(runs: list[Run], out: Path) -> list[Path]:
     for ax, g in zip(axes, sizes, strict=True):
         for label, members in group(runs, delay=delay, group_size=g, eps_schedule="constant").items():
             steps, mean, _ = seed_mean([r.series(REWARD_TAGS) for r in members])
-            ax.plot(steps, centred_rolling_mean(mean, WINDOW), label=f"{label} ({len(members)} seeds)")
+            ax.plot(steps, centred_rolling_mean(mean, WINDOW), label=f"{label} ({seeds(len(members))})")
         ax.set(title=f"G = {g}", xlabel="update")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("reward")
     return save(fig, out, "fig5_reward_by_group_size")
 
 
+def seeds(count: int) -> str:
+    return f"{count} seed" + ("s" if count != 1 else "")
+
+
 def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    """``mean ± std`` of the scaled values; a single value has no spread to show."""
     if not values:
         return "–"
     mean, std = mean_std([scale * v for v in values])
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
 
 
 def accuracy_cell(members: list[Run]) -> str:
     finals = [r.final_eval() for r in members if r.final_eval() is not None]
     if not finals:
         return "–"
-    return f"{cell([f['greedy'] for f in finals])} / {cell([f['avg@n'] for f in finals])}"
+    text = f"{cell([f['greedy'] for f in finals])} / {cell([f['avg@n'] for f in finals])}"
+    return text + (f" ({seeds(1)})" if len(finals) == 1 else "")
 
 
 def reward_cell(members: list[Run]) -> str:
-    return cell([r.final_reward() for r in members if r.final_reward() is not None], scale=1.0, digits=3)
+    values = [r.final_reward() for r in members if r.final_reward() is not None]
+    return cell(values, scale=1.0, digits=3) + (f" ({seeds(1)})" if len(values) == 1 else "")
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

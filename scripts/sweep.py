@@ -261,11 +261,11 @@ def evaluate_run(
     import shutil
 
     import torch
+
+    from lit_gmc.actor import load_actor
     from lit_gmc.callbacks.evaluation import Suite, evaluate_suites
     from lit_gmc.data.engines import HFEngine
     from lit_gmc.data.tasks import TASKS
-
-    from lit_gmc.actor import load_actor
 
     config = json.loads((run_dir / "config.json").read_text())
     task_name = config.get("data", {}).get("task", "addition")

@@ -124,5 +124,7 @@ def test_tiny_fit_on_gpu_with_colocated_sleeping_vllm(tmp_path):
     run = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--config", str(config)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=900, env={**os.environ})  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
-    worst = [v for _, v in read_scalars(tmp_path / "tb" / "version_0")["mismatch/abs_max"]]
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert [v for _, v in scalars["delay/max"]] == [0.0] * 4  # on-policy rows at every step
+    worst = [v for _, v in scalars["mismatch/abs_max"]]
     assert len(worst) == 4 and max(worst) <= BF16_MAX, worst

@@ -18,6 +18,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader
+
 from lit_gmc.callbacks.diagnostics import (
     CentredRollingMean,
     Diagnostics,
@@ -27,9 +30,6 @@ from lit_gmc.callbacks.diagnostics import (
     step_scalars,
     zero_variance_fraction,
 )
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.data import DataLoader
-
 from lit_gmc.tblog import read_scalars
 
 G, B = 4, 3

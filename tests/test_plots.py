@@ -134,6 +134,10 @@ def test_table_cells_are_the_seed_statistics(sweep):
     assert table4["GMC"][3] == "0.280 ± 0.000"
 
 
+def test_single_seed_cells_show_no_spread():
+    assert plots.cell([0.5]) == "50.0" and plots.cell([0.5, 0.7]) == "60.0 ± 14.1" and plots.cell([]) == "–"
+
+
 def test_series_helpers():
     steps, mean, std = plots.seed_mean([[(0, 1.0), (1, 2.0), (2, 3.0)], [(1, 4.0), (2, 5.0)]])
     assert steps == [1, 2] and mean == [3.0, 4.0] and std == pytest.approx([2**0.5, 2**0.5])

@@ -181,9 +181,12 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
                          capture_output=True, text=True, timeout=600, env={**os.environ})  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert [v for _, v in scalars["delay/max"]] == [0.0] * 4  # every step had on-policy rows to compare
+    # fp32 kernels of vLLM and transformers differ by up to ~2e-5 on trained weights (1.7e-5 seen here); an engine
+    # whose weights did not follow the learner showed 0.58, 0.88, 1.31 at steps 1-3 of this run.
     for tag in ("schedule/engine_gap_abs_max", "mismatch/abs_max"):
         values = [v for _, v in scalars[tag]]
-        assert len(values) == 4 and max(values) <= FP32_TOLERANCE, (tag, values)
+        assert len(values) == 4 and max(values) <= 1e-4, (tag, values)
 
 
 @pytest.mark.vllm
@@ -210,8 +213,9 @@ def test_dedicated_layout_syncs_through_shared_memory(saved_actor, char_tokenize
 def test_options_are_checked_with_their_flag_names():
     assert validate_engine_options("vllm", None) == []
     assert validate_engine_options("vllm", {"layout": "dedicated", "devices": "1,2"}) == []  # CUDA checked later
-    problems = validate_engine_options("vllm", {"layuot": "colocated"})
-    assert len(problems) == 1 and "layuot" in problems[0] and "--data.engine_options" in problems[0]
+    problems = validate_engine_options("vllm", {"layuot": "colocated", "gpu_memory_utilization": 0})
+    assert len(problems) == 2 and "layuot" in problems[0] and "--data.engine_options" in problems[0]
+    assert "gpu_memory_utilization=0 must be in (0, 1]" in problems[1]
     problems = validate_engine_options("vllm", {"tensor_parallel_size": 2, "gpu_memory_utilization": 1.5})
     assert any("tensor_parallel_size=2 needs layout=dedicated" in p for p in problems)
     assert any("gpu_memory_utilization=1.5" in p for p in problems)
