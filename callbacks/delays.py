@@ -65,9 +65,11 @@ class DelayAccounting(pl.Callback):
             self.length_sum += float(lengths.sum())
             self.length_count += lengths.numel()
             scalars["delay/predicted_mean"] = per_length * self.length_sum / self.length_count
-        logged = {k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}
-        pl_module.log_dict(logged, on_step=True, on_epoch=False)
-        step = trainer.global_step - 1  # the update just taken, the step its scalars are logged at
+        step = trainer.global_step - 1  # the update just taken
+        # Straight to the loggers, at the update's index: on disk before this step's checkpoint is written (with a
+        # flushing logger), so a run killed right after a checkpoint still has this step's record.
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
         if step % self.histogram_every_n_steps == 0:
             self._histogram(trainer, delays, step)
 

@@ -250,9 +250,10 @@ class RolloutDataModule(pl.LightningDataModule):
         max_launches: ``virtual_clock``: most launches in one refill (warm-up included) before a clear error.
         overlap: ``virtual_clock``: generate launched batches in a background thread while the learner trains
             (same launches and consumptions as without; it pays off when ``lam > c_gen``, i.e. when a fresh
-            batch cannot be visible at the next update whatever its length). Off by default: the ``hf`` engine
-            samples from torch's global generator, which the learner's activation checkpointing saves and
-            restores in backward, so concurrent generation is then not reproducible (resume stays lossless).
+            batch cannot be visible at the next update whatever its length). The ``hf`` engine samples from
+            torch's global generator: the learner leaves it alone, except with ``--model.gradient_checkpointing``
+            (transformers restores the generator in backward), where overlapped samples stop being reproducible
+            (still lossless); turn overlap off there if runs must repeat exactly.
         workers: ``live``: rollout worker threads.
         chunk_prompts: ``live``: prompts per generation call (``null``: ``batch_prompts``); smaller chunks mix
             groups of different versions within one update.
@@ -285,7 +286,7 @@ class RolloutDataModule(pl.LightningDataModule):
         lam: float = 28.0,
         c_update: float = 1.0,
         max_launches: int = 400,
-        overlap: bool = False,
+        overlap: bool = True,
         workers: int = 1,
         chunk_prompts: int | None = None,
         max_staleness: int | None = None,

@@ -1,10 +1,10 @@
 """A TensorBoard logger whose step records survive ``kill -9``.
 
-Lightning writes a step's scalars to the logger right after the step's ``on_train_batch_end`` hooks, where
-``ModelCheckpoint`` saves; TensorBoard's writer then holds them in memory for up to two minutes. A run killed
-in that time and resumed from its last checkpoint would never log those steps again (the resumed run starts
-after them), leaving holes in its curves. Flushing after every logged step closes the gap to the few
-microseconds between the checkpoint write and the log call.
+The learner and ``DelayAccounting`` hand a step's scalars to the loggers before that step's checkpoint is
+written (in ``training_step`` and ``on_train_batch_end``; ``ModelCheckpoint`` runs after every other callback).
+TensorBoard's writer would still hold them in memory for up to two minutes, so a run killed after the
+checkpoint and resumed from it (the resumed run starts after that step) could lose them for good. Flushing
+after every ``log_metrics`` call puts each record on disk before training goes on.
 """
 
 from __future__ import annotations

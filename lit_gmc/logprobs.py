@@ -66,7 +66,9 @@ def response_logprobs(
     for start in range(0, targets.shape[1], chunk_tokens):
         h, y = hidden[:, start : start + chunk_tokens], targets[:, start : start + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
-            logp, ent = checkpoint(_head_logprobs, head, h, y, temperature, use_reentrant=False)
+            # No RNG state to preserve (the head is deterministic), and restoring it would reset the global
+            # generator under a rollout thread sampling from it at the same time.
+            logp, ent = checkpoint(_head_logprobs, head, h, y, temperature, use_reentrant=False, preserve_rng_state=False)
         else:
             logp, ent = _head_logprobs(head, h, y, temperature)
         logps.append(logp)

@@ -12,9 +12,10 @@ Runs not marked done in the manifest are left out and listed. Outputs:
 - ``fig5_reward_by_group_size``: training reward (centred rolling mean) for each group size G at the delay
   of the group-size runs; the paper's Figure 5.
 - ``tables.md``: Markdown tables, "greedy / avg@n" in percent, mean ± std over seeds: held-out accuracy and
-  final training reward by method and delay (Table 1), by group size (Table 3), and constant vs Corollary-1
-  threshold at the largest delay (Table 4). ``--doc FILE`` also replaces the block between
-  ``<!-- tables:begin -->`` and ``<!-- tables:end -->`` in FILE.
+  final training reward by method and delay (Table 1), the corrections' diagnostics by method and delay
+  (Table 2), by group size (Table 3), and constant vs Corollary-1 threshold at the largest delay (Table 4).
+  ``--doc FILE`` also replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE
+  (``NAME`` from ``--block``, default ``tables``).
 
 Example::
 
@@ -44,7 +45,13 @@ FINAL_UPDATES = 25
 """The final training reward is the mean over the last this many updates (one update's 64 samples are noisy)."""
 REWARD_TAGS = ("diag/reward/mean", "train/reward")
 ENTROPY_TAGS = ("diag/entropy/mean", "train/entropy")
-BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+DIAGNOSTICS = (("diag/tic/dropped_fraction", "TIC-dropped trajectories", "mean"),
+               ("diag/gmc/rescaled_fraction", "GMC-rescaled groups", "mean"),
+               ("diag/removed_mass/mean", "removed mass (median)", "median"),
+               ("diag/ess/mean_fraction_of_G", "ESS / G", "mean"),
+               ("diag/log_rho/abs_mean", "mean abs log ratio", "mean"),
+               ("diag/corr/log_rho_vs_length", "corr(log ratio, length)", "mean"))  # fmt: skip
+"""Table 2: (tag, column, how the run's per-update values are summarised); the removed mass is heavy-tailed."""
 METHOD_ORDER = ("grpo", "tic", "gmc")
 
 
@@ -277,6 +284,7 @@ def tables(runs: list[Run], missing: list[str]) -> str:
     parts.append(f"\n**Table 1b.** Final training reward (mean of the last {FINAL_UPDATES} updates), mean ± std.\n")
     rows = [[label] + [reward_cell(group(grid, delay=d).get(label, [])) for d in delays] for label in labels]
     parts.append(markdown_table(["method"] + [f"D = {d}" for d in delays], rows))
+    parts.append(diagnostics_table(grid, delays, labels))
     delay = group_size_delay(runs)
     if delay is not None:
         sizes = sorted({r.group_size for r in runs if r.delay == delay})
@@ -304,13 +312,38 @@ def tables(runs: list[Run], missing: list[str]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def update_doc(doc: Path, text: str) -> None:
-    """Replace the block between the table markers in ``doc`` (they must exist)."""
+def diagnostics_table(grid: list[Run], delays: list[int], labels: list[str]) -> str:
+    """Table 2: each diagnostic summarised over a run's updates, then averaged over seeds.
+
+    For GRPO and TIC runs the GMC column says what GMC would have rescaled on that run's data (and vice versa).
+    """
+    header = ["method", "D"] + [column for _, column, _ in DIAGNOSTICS]
+    rows = []
+    for label in labels:
+        for d in delays:
+            members = group(grid, delay=d).get(label, [])
+            row = [label, str(d)]
+            for tag, _, how in DIAGNOSTICS:
+                summaries = []
+                for run in members:
+                    values = [v for _, v in run.scalars.get(tag, [])]
+                    if values:
+                        summaries.append(statistics.median(values) if how == "median" else statistics.fmean(values))
+                row.append(f"{statistics.fmean(summaries):.3g}" if summaries else "–")
+            rows.append(row)
+    title = ("\n**Table 2.** Diagnostics of the corrections, summarised over each run's updates (mean, or median "
+             "where marked), averaged over seeds (G = 8).\n")  # fmt: skip
+    return title + "\n" + markdown_table(header, rows)
+
+
+def update_doc(doc: Path, text: str, block: str = "tables") -> None:
+    """Replace the block between ``<!-- block:begin -->`` and ``<!-- block:end -->`` in ``doc`` (they must exist)."""
+    begin, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
     content = doc.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(content):
-        raise ValueError(f"{doc} has no {BEGIN} ... {END} block to replace")
-    doc.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}{END}", content, count=1))
+        raise ValueError(f"{doc} has no {begin} ... {end} block to replace")
+    doc.write_text(pattern.sub(lambda _: f"{begin}\n{text}{end}", content, count=1))
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -318,6 +351,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--sweep", required=True, help="sweep folder written by scripts/sweep.py")
     parser.add_argument("--out", required=True, help="folder for the figures and tables.md")
     parser.add_argument("--doc", default=None, help="Markdown file whose tables block is replaced")
+    parser.add_argument("--block", default="tables", help="name of that block's markers")
     args = parser.parse_args(argv)
     runs, missing = load_sweep(Path(args.sweep))
     if not runs:
@@ -328,7 +362,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     (out / "tables.md").write_text(text)
     written.append(out / "tables.md")
     if args.doc:
-        update_doc(Path(args.doc), text)
+        update_doc(Path(args.doc), text, args.block)
     for path in written:
         print(path)
     return written

@@ -56,22 +56,6 @@ def write_config(
     return path
 
 
-def learner_leaves_global_rng_alone(monkeypatch) -> None:
-    """Make the learner's chunked LM head skip saving/restoring torch's global RNG state in backward.
-
-    The head is deterministic, so there is nothing to replay; but ``torch.utils.checkpoint`` resets the global
-    generator during recomputation, and the HF engine samples from that generator, so a generation running in
-    a background thread at that moment draws different tokens. Tests of background generation need the
-    learner to leave the generator alone (see the closing note of issue 3 for the fix in ``logprobs.py``).
-    """
-    import functools
-
-    import lit_gmc.logprobs as logprobs
-    from torch.utils.checkpoint import checkpoint
-
-    monkeypatch.setattr(logprobs, "checkpoint", functools.partial(checkpoint, preserve_rng_state=False))
-
-
 def fit(config: Path, *args: str, callbacks: list | None = None) -> GMCCLI:
     """``lit_gmc fit --config config *args`` in this process; ``callbacks`` are added to the config's."""
     defaults = {"callbacks": callbacks} if callbacks else {}

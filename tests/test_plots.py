@@ -39,6 +39,10 @@ def reward_of(method: str, delay: int, g: int, seed: int, schedule: str, step: i
     return 0.3 + OFFSET[method] + 0.005 * step + 0.01 * seed - 0.0005 * delay + 0.001 * g
 
 
+def dropped_of(delay: int, seed: int, step: int) -> float:
+    return 0.01 * delay + 0.1 * seed + 0.0013 * step
+
+
 def write_run(sweep: Path, method: str, delay: int, g: int, seed: int, schedule: str = "constant") -> dict:
     name = f"{method}-d{delay}-g{g}-s{seed}" + ("-corollary1" if schedule != "constant" else "")
     run_dir = sweep / "runs" / name
@@ -47,6 +51,8 @@ def write_run(sweep: Path, method: str, delay: int, g: int, seed: int, schedule:
         writer.add_scalar("diag/reward/mean", reward_of(method, delay, g, seed, schedule, step), step)
         writer.add_scalar("diag/entropy/mean", 1.0 - 0.01 * step + 0.1 * (step % 2), step)
         writer.add_scalar("correction/eps", 0.28 if schedule == "constant" else 0.5 + 0.01 * seed, step)
+        writer.add_scalar("diag/tic/dropped_fraction", dropped_of(delay, seed, step), step)
+        writer.add_scalar("diag/removed_mass/mean", float(step % 5), step)  # median over 0..39 = 2
     if delay:
         writer.add_scalar("diag/drain/step", STEPS - delay, STEPS - delay)
     writer.close()
@@ -129,6 +135,10 @@ def test_table_cells_are_the_seed_statistics(sweep):
     table3 = table_rows(text, "**Table 3.**")
     greedy = [greedy_of("gmc", 16, 32, s, "constant", 40) for s in (0, 1)]
     assert table3["GMC"][2].startswith(f"{expected(greedy)} / ")  # columns G = 4, 8, 32
+    table2 = table_rows(text, "**Table 2.**")  # keyed by method; the last delay's row wins
+    want = statistics.fmean(statistics.fmean(dropped_of(16, s, t) for t in range(STEPS)) for s in (0, 1))
+    assert table2["TIC"][0] == "16" and table2["TIC"][1] == f"{want:.3g}" and table2["TIC"][3] == "2"
+    assert table2["TIC"][4] == "–"  # no ESS logged in this sweep
     table4 = table_rows(text, "**Table 4.**")
     assert table4["GMC + Cor. 1"][0] == "2" and table4["GMC + Cor. 1"][3] == expected([0.5, 0.51], 1.0, 3)
     assert table4["GMC"][3] == "0.280 ± 0.000"
@@ -153,3 +163,7 @@ def test_clear_errors(tmp_path):
     doc.write_text("no markers")
     with pytest.raises(ValueError, match="no <!-- tables:begin -->"):
         plots.update_doc(doc, "x")
+    doc.write_text("a <!-- n400:begin -->old<!-- n400:end --> b <!-- tables:begin -->keep<!-- tables:end -->")
+    plots.update_doc(doc, "new\n", block="n400")
+    want = "a <!-- n400:begin -->\nnew\n<!-- n400:end --> b <!-- tables:begin -->keep<!-- tables:end -->"
+    assert doc.read_text() == want
