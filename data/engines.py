@@ -107,7 +107,8 @@ class HFEngine:
 
     def _generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int) -> list[RolloutGroup]:
         tok = self.tokenizer
-        encoded = [torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"], dtype=torch.long) for p in prompts]
+        with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
+            encoded = [torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"], dtype=torch.long) for p in prompts]
         width = max(e.numel() for e in encoded)
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
@@ -133,11 +134,15 @@ class HFEngine:
                 **kwargs,
             )
             version = self._version
+        tokens = out.sequences[:, width:]  # (rows, L)
+        # Scores are the processed logits the sampler drew from (temperature, top-p), -inf where filtered; one
+        # (rows, V) tensor per position, reduced one at a time so no (rows, L, V) copy is ever made.
+        logprobs = torch.stack(
+            [torch.log_softmax(s.float(), -1).gather(-1, tokens[:, t, None])[:, 0] for t, s in enumerate(out.scores)], 1
+        )  # (rows, L)
         copies = n if greedy else 1
-        tokens = out.sequences[:, width:].cpu().repeat_interleave(copies, 0)  # (len(prompts) * n, L)
-        # Scores are the processed logits the sampler drew from (temperature, top-p); -inf where filtered.
-        scores = torch.stack(out.scores, dim=1).float().cpu().repeat_interleave(copies, 0)  # (len(prompts) * n, L, V)
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # (rows, L)
+        tokens = tokens.cpu().repeat_interleave(copies, 0)  # (len(prompts) * n, L)
+        logprobs = logprobs.cpu().repeat_interleave(copies, 0)  # (len(prompts) * n, L)
         mask, reasons = _response_mask(tokens, tok.eos_token_id)
         tokens = tokens.masked_fill(~mask, tok.pad_token_id)
         logprobs = logprobs.masked_fill(~mask, 0.0)
