@@ -61,6 +61,7 @@ class WeightSync(pl.Callback):
             )
 
     def publish(self, pl_module: pl.LightningModule, version: int) -> None:
+        """Send the parameters under ``prefix`` (prefix stripped) to the sink, stamped with ``version``."""
         cut = len(self.prefix)
         named = ((name[cut:], p.detach()) for name, p in pl_module.named_parameters() if name.startswith(self.prefix))
         self.sink.load_weights(named, version)
@@ -71,7 +72,9 @@ class WeightSync(pl.Callback):
         self.publish(pl_module, trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step != self.last_synced_step and step % self.every_n_steps == 0:
             self.publish(pl_module, step)

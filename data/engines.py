@@ -84,9 +84,11 @@ class HFEngine:
 
     @property
     def version(self) -> int:
+        """Policy version of the weights currently used for sampling."""
         return self._version
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy the named tensors into the behaviour copy in place and set ``version``."""
         with self._lock, torch.no_grad():
             params = dict(self.model.named_parameters())
             for name, tensor in named_tensors:
@@ -96,6 +98,7 @@ class HFEngine:
             self._version = version
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
+        """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, in chunks of ``batch_rows``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         per_call = max(1, self.batch_rows // n)
@@ -105,10 +108,14 @@ class HFEngine:
             groups.extend(self._generate(chunk, n, sampling, call_seed=sampling.seed + start))
         return groups
 
-    def _generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int) -> list[RolloutGroup]:
+    def _generate(
+        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int
+    ) -> list[RolloutGroup]:
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
-            encoded = [torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"], dtype=torch.long) for p in prompts]
+            encoded = [
+                torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"], dtype=torch.long) for p in prompts
+            ]
         width = max(e.numel() for e in encoded)
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
@@ -166,4 +173,5 @@ class HFEngine:
         return groups
 
     def close(self) -> None:
+        """Drop the behaviour copy of the model."""
         self.model = None

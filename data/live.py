@@ -206,6 +206,7 @@ class LiveSchedule(_CountedSchedule):
             }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters and buffered groups saved by :meth:`state_dict`; workers must be stopped."""
         if self.running:
             raise RuntimeError("live: cannot load a state while rollout workers are running")
         self.step, self.total_updates, self.claimed = state["step"], state["total_updates"], state["claimed"]

@@ -98,6 +98,7 @@ class SyncSchedule(_QueueSchedule):
         self.inner_steps = inner_steps
 
     def next_batch(self, produce: Producer) -> tuple[Batch, dict[str, float]]:
+        """The next queued batch and its info; an empty queue first generates the next round."""
         if self.exhausted:
             raise StopIteration
         if not self.queue:
@@ -106,12 +107,12 @@ class SyncSchedule(_QueueSchedule):
 
 
 class FixedDelaySchedule(_QueueSchedule):
-    """A FIFO of ``D`` batches filled from ``theta_0``; every later batch is consumed exactly ``D`` updates
-    after the policy that generated it.
+    """Fixed delay ``D``: a FIFO of ``D`` batches, filled from ``theta_0`` before the first update.
 
-    At step ``n`` a batch from the current policy ``theta_n`` is appended (it will be consumed at step
-    ``n + D``) and the oldest is consumed. Once the queue holds every batch still needed, generation stops
-    and the queue drains; ``drain_step`` records when. ``D = 0`` is on-policy.
+    Every later batch is consumed exactly ``D`` updates after the policy that generated it. At step ``n`` a
+    batch from the current policy ``theta_n`` is appended (it will be consumed at step ``n + D``) and the
+    oldest is consumed. Once the queue holds every batch still needed, generation stops and the queue drains;
+    ``drain_step`` records when. ``D = 0`` is on-policy.
 
     Args:
         delay: ``D >= 0``.
@@ -127,6 +128,7 @@ class FixedDelaySchedule(_QueueSchedule):
         self.drain_step: int | None = None
 
     def next_batch(self, produce: Producer) -> tuple[Batch, dict[str, float]]:
+        """The oldest queued batch and its info, after topping the FIFO up with the current policy."""
         if self.exhausted:
             raise StopIteration
         if not self.filled:
@@ -140,9 +142,11 @@ class FixedDelaySchedule(_QueueSchedule):
         return self._pop({"draining": float(self.drain_step is not None)})
 
     def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: step counter, queued batches, fill flag and drain step."""
         return {**super().state_dict(), "filled": self.filled, "drain_step": self.drain_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict` (``total_updates`` stays this run's)."""
         super().load_state_dict(state)
         self.filled, self.drain_step = state["filled"], state["drain_step"]
 
@@ -292,6 +296,7 @@ class VirtualClockSchedule(_CountedSchedule):
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the clock, counters and in-flight batches saved by :meth:`state_dict`."""
         self.step, self.total_updates, self.clock = state["step"], state["total_updates"], state["clock"]
         self.launched, self.drain_step = state["launched"], state["drain_step"]
         entries = [

@@ -58,12 +58,15 @@ class AdditionTask:
         self._test = [p for p in rows if p.id in held_out]
 
     def train_prompts(self) -> Sequence[Prompt]:
+        """The training prompts (sums not held out)."""
         return self._train
 
     def test_prompts(self) -> Sequence[Prompt]:
+        """The held-out prompts, those with ``(7a + 3b) % 10 == 0``."""
         return self._test
 
     def score(self, completions: Sequence[str], answer: str) -> list[float]:
+        """Reward 1.0 for each completion equal to ``answer`` after stripping whitespace, else 0.0."""
         return [float(c.strip() == answer) for c in completions]
 
 
@@ -101,9 +104,11 @@ class PromptStream:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: seed, epoch and position in the epoch's permutation."""
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict` and rebuild the epoch's permutation."""
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
 

@@ -4,6 +4,7 @@ from lit_gmc.cli import GMCCLI
 
 
 def main() -> None:
+    """Run the LightningCLI entry point on the command-line arguments."""
     GMCCLI()
 
 

@@ -42,6 +42,7 @@ class TinyRecipe:
     seed: int = 0
 
     def key(self) -> str:
+        """First 12 hex digits of the SHA-256 of the recipe's fields, as sorted JSON."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -89,12 +90,14 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[f
     for _ in range(recipe.warm_start_steps):
         picked = rng.sample(rows, recipe.warm_start_batch)
         prompt_ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in picked]
-        answer_ids = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in picked]
-        width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids))
+        answer_ids = [
+            tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in picked
+        ]
+        width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids, strict=True))
         ids = torch.full((len(picked), width), tokenizer.pad_token_id)
         labels = torch.full((len(picked), width), -100)
         attention = torch.zeros((len(picked), width), dtype=torch.long)
-        for row, (p, a) in enumerate(zip(prompt_ids, answer_ids)):
+        for row, (p, a) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
             ids[row, : len(p) + len(a)] = torch.tensor(p + a)
             labels[row, len(p) : len(p) + len(a)] = torch.tensor(a)
             attention[row, : len(p) + len(a)] = 1
@@ -108,6 +111,7 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[f
 
 
 def default_cache_dir() -> Path:
+    """``$LIT_GMC_CACHE`` if set, else ``~/.cache/lit_gmc``."""
     return Path(os.environ.get("LIT_GMC_CACHE", Path.home() / ".cache" / "lit_gmc"))
 
 

@@ -52,6 +52,7 @@ class RolloutGroup:
 
     @property
     def group_size(self) -> int:
+        """``G``, the number of responses in the group."""
         return int(self.response_ids.shape[0])
 
     @property
@@ -60,6 +61,7 @@ class RolloutGroup:
         return self.response_mask.sum(-1)
 
     def with_rewards(self, rewards: Sequence[float]) -> RolloutGroup:
+        """A copy of the group with ``rewards`` set (as a float32 tensor)."""
         return replace(self, rewards=torch.as_tensor(rewards, dtype=torch.float32))
 
 
@@ -95,6 +97,7 @@ class RolloutBatch:
 
     @property
     def num_groups(self) -> int:
+        """``B``, the number of groups in the batch."""
         return int(self.versions.shape[0])
 
     @property
@@ -107,6 +110,7 @@ class RolloutBatch:
         return (step - self.versions).repeat_interleave(self.group_size)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy of the batch with every tensor field moved to ``device``."""
         moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
         return RolloutBatch(**moved)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(staging, path)
         finally:
             staging.unlink(missing_ok=True)
+
+
+# Lightning warns that, under manual optimization, a step checkpoint holds the weights *after* that step's update.
+# That is the state we want: a checkpoint at global_step n holds theta_n, the policy version n the engine samples.
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning)
 
 
 class RunCheckpoint(ModelCheckpoint):

@@ -68,15 +68,19 @@ class CorrectionOutput:
 class StepRule(Protocol):
     """Optional per-step rule of a correction, called by the module around the optimizer step."""
 
-    def before_step(self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]) -> dict[str, float]:
+    def before_step(
+        self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]
+    ) -> dict[str, float]:
         """Adjust gradients or step size before clipping and the step; returns scalars to log."""
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Undo any temporary change (e.g. restore the learning rate)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's checkpointable state."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
 
 
 CorrectionFn = Callable[[PolicyTerms, float], CorrectionOutput]
@@ -106,6 +110,7 @@ CORRECTIONS: dict[str, Correction] = {}
 
 
 def register(name: str, correction: Correction) -> None:
+    """Add ``correction`` to :data:`CORRECTIONS` under ``name``; a name can be registered only once."""
     if name in CORRECTIONS:
         raise ValueError(f"correction {name!r} is already registered")
     CORRECTIONS[name] = correction
@@ -160,7 +165,9 @@ def grpo(terms: PolicyTerms, eps: float) -> CorrectionOutput:
     ratio = torch.exp((terms.token_logprobs.detach() - terms.behavior_logprobs).clamp(max=80.0))  # (n, L)
     clipped = ((ratio < 1.0 - eps) | (ratio > 1.0 + eps)) & terms.mask  # (n, L)
     frac = clipped.sum() / terms.mask.sum().clamp(min=1)
-    return CorrectionOutput(loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), {"grpo/clip_fraction": frac})
+    return CorrectionOutput(
+        loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), {"grpo/clip_fraction": frac}
+    )
 
 
 register("gmc", Correction(gmc, default_eps=0.28, aggregation="seq_sum_over_T"))

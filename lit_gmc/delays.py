@@ -33,14 +33,18 @@ class RunningDelayMoments:
 
     @property
     def tau2(self) -> float:
+        """``tau_bar_2``, the mean over updates of the mean squared delay (0 before any update)."""
         return self.sum_p2 / self.updates if self.updates else 0.0
 
     @property
     def tau4(self) -> float:
+        """``tau_bar_4``, the mean over updates of the mean fourth-power delay (0 before any update)."""
         return self.sum_p4 / self.updates if self.updates else 0.0
 
     def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: update count and the two running sums."""
         return {"updates": self.updates, "sum_p2": self.sum_p2, "sum_p4": self.sum_p4}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
         self.updates, self.sum_p2, self.sum_p4 = state["updates"], state["sum_p2"], state["sum_p4"]

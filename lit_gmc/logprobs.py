@@ -49,7 +49,9 @@ def response_logprobs(
         finite junk and must be masked by the caller.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must match")
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must match"
+        )
     if not 0 < prompt_width < input_ids.shape[1]:
         raise ValueError(f"prompt_width={prompt_width} must lie inside the row width {input_ids.shape[1]}")
     if temperature <= 0:
@@ -68,7 +70,9 @@ def response_logprobs(
         if torch.is_grad_enabled() and h.requires_grad:
             # No RNG state to preserve (the head is deterministic), and restoring it would reset the global
             # generator under a rollout thread sampling from it at the same time.
-            logp, ent = checkpoint(_head_logprobs, head, h, y, temperature, use_reentrant=False, preserve_rng_state=False)
+            logp, ent = checkpoint(
+                _head_logprobs, head, h, y, temperature, use_reentrant=False, preserve_rng_state=False
+            )
         else:
             logp, ent = _head_logprobs(head, h, y, temperature)
         logps.append(logp)

@@ -144,6 +144,7 @@ class GMCModule(pl.LightningModule):
             self.actor.gradient_checkpointing_enable()
 
     def policy_terms(self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None) -> PolicyTerms:
+        """The correction rule's inputs: ``logprobs`` of the current policy with the batch's behaviour data."""
         return PolicyTerms(
             token_logprobs=logprobs,
             behavior_logprobs=batch.behavior_logprobs.to(logprobs.dtype),
@@ -185,9 +186,14 @@ class GMCModule(pl.LightningModule):
             norms.append(sum(g.to(acc).square().sum() for g in grads if g is not None))
         return torch.stack(norms).detach()  # (n,)
 
-    def micro_batch_loss(self, batch: RolloutBatch, part: RolloutBatch) -> tuple[Tensor, CorrectionOutput, Tensor, Tensor]:
-        """Loss share of the groups in ``part`` (normalised for the whole ``batch``), the rule's outputs, and the
-        detached token entropies and log-probs ``(n, L)`` of the current policy."""
+    def micro_batch_loss(
+        self, batch: RolloutBatch, part: RolloutBatch
+    ) -> tuple[Tensor, CorrectionOutput, Tensor, Tensor]:
+        """Loss share of the groups in ``part``, with what the step logs about them.
+
+        Returns the loss share (normalised for the whole ``batch``), the rule's outputs, and the detached
+        token entropies and log-probs ``(n, L)`` of the current policy.
+        """
         # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
         norms = self.trajectory_grad_norms_sq(part) if self.rule.needs_grad_norms else None  # (n,) or None
         logprobs, entropy = response_logprobs(
@@ -229,6 +235,7 @@ class GMCModule(pl.LightningModule):
         return {"loss": loss, **stats}
 
     def clip_and_measure(self) -> Tensor:
+        """Clip the actor's gradients to ``max_grad_norm`` (if set); returns their total norm before clipping."""
         params = [p for p in self.actor.parameters() if p.grad is not None]
         max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm is not None else float("inf")
         return torch.nn.utils.clip_grad_norm_(params, max_norm)

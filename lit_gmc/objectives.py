@@ -99,8 +99,10 @@ def is_coefficients(log_rho: Tensor) -> Tensor:
 
 
 def surrogate_token_loss(coef_times_adv: Tensor, token_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """Per-token surrogate ``-sg(c_i A_i) log pi_theta(y_it)``; summed over tokens its gradient is ``-c_i A_i
-    grad log pi_theta(y_i)``. Returns ``(N, L)`` with zeros on padding."""
+    """Per-token surrogate ``-sg(c_i A_i) log pi_theta(y_it)``, ``(N, L)`` with zeros on padding.
+
+    Summed over tokens, its gradient is ``-c_i A_i grad log pi_theta(y_i)``.
+    """
     _check_tokens("token_logprobs", token_logprobs, mask)
     weights = coef_times_adv.detach()[:, None]  # (N, 1)
     return (-weights * token_logprobs).masked_fill(~mask, 0.0)  # (N, L)

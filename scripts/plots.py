@@ -329,7 +329,7 @@ def diagnostics_table(grid: list[Run], delays: list[int], labels: list[str]) -> 
                     values = [v for _, v in run.scalars.get(tag, [])]
                     if values:
                         summaries.append(statistics.median(values) if how == "median" else statistics.fmean(values))
-                row.append(f"{statistics.fmean(summaries):.3g}" if summaries else "–")
+                row.append(f"{statistics.fmean(summaries):.3f}" if summaries else "–")
             rows.append(row)
     title = ("\n**Table 2.** Diagnostics of the corrections, summarised over each run's updates (mean, or median "
              "where marked), averaged over seeds (G = 8).\n")  # fmt: skip

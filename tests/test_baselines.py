@@ -11,10 +11,9 @@ import math
 from dataclasses import replace
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import Logger
 import pytest
 import torch
-from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.data.datamodule import RolloutDataModule
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc import objectives as O
@@ -29,7 +28,9 @@ from lit_gmc.baselines import (
     vcpo_baseline,
 )
 from lit_gmc.batch import RolloutGroup, collate_groups
+from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.corrections import CORRECTIONS, PolicyTerms
+from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.module import GMCModule, cosine_with_warmup
 
@@ -422,20 +423,42 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
-        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call, by step (the module logs its per-step scalars straight to loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_step: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.by_step.setdefault(step, {}).update(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
 
 
 def fit(correction: str, steps: int, tmp_path, *, planned: int | None = None, ckpt_path=None):
     module = GMCModule(correction=correction, micro_batch_groups=2)
     data = RolloutDataModule(schedule="fixed_delay", delay=2, group_size=4, batch_prompts=4,
                              total_updates=planned or steps)  # fmt: skip
-    recorder = Recorder()
+    recorder, logger = Recorder(), MemoryLogger()
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu", max_steps=steps, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
         callbacks=[WeightSync(), recorder],
     )  # fmt: skip
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    recorder.metrics = [logger.by_step[step] for step in sorted(logger.by_step)]  # the logged scalars, step by step
     return trainer, module, recorder
 
 
@@ -457,7 +480,6 @@ def test_tiny_fit_with_fixed_delay_gives_finite_loss(name, tmp_path):
 
 
 def test_gac_state_survives_checkpoint_and_resume(tmp_path):
-    # The data schedule restores its planned length from the checkpoint, so both runs plan 3 updates.
     trainer, module, _ = fit("gac", 2, tmp_path / "a", planned=3)
     saved = [t.clone() for t in module.step_rule.previous]
     ckpt = tmp_path / "gac.ckpt"

@@ -52,7 +52,10 @@ class Tiny(pl.LightningModule):
 def test_last_checkpoint_is_the_end_of_the_run_between_periodic_saves(tmp_path):
     saver = RunCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True, save_top_k=-1)
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=7, max_epochs=1, logger=False, callbacks=[saver],
-                         enable_progress_bar=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()])  # fmt: skip
+                         enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[AtomicCheckpointIO()])  # fmt: skip
     trainer.fit(Tiny())
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"
+    ]
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 7

@@ -62,7 +62,9 @@ def test_the_overrides_users_type_reach_the_config():
                    "--data.group_size", "4", "--data.batch_prompts", "2", "--data.max_new_tokens", "5",
                    "--trainer.max_steps", "33")  # fmt: skip
     assert (config.model.correction, config.model.eps) == ("tic", 0.28)
-    assert (config.data.schedule, config.data.delay, config.data.group_size, config.data.batch_prompts) == ("sync", 8, 4, 2)
+    assert (
+        config.data.schedule, config.data.delay, config.data.group_size, config.data.batch_prompts
+    ) == ("sync", 8, 4, 2)
     # linked: the loss normaliser T is the completion budget, the planned updates are max_steps
     assert config.model.max_response_length == 5
     assert config.data.total_updates == 33

@@ -56,8 +56,8 @@ def loader(per_length: float | None, steps: range = range(len(DELAYS))):
 
 def trainer(tmp_path, callbacks, max_steps=None, name="run", **kwargs) -> pl.Trainer:
     return pl.Trainer(
-        max_steps=max_steps or len(DELAYS), logger=TensorBoardLogger(tmp_path, name=name), callbacks=callbacks, log_every_n_steps=1,
-        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs,
+        max_steps=max_steps or len(DELAYS), logger=TensorBoardLogger(tmp_path, name=name), callbacks=callbacks,
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs,
     )  # fmt: skip
 
 

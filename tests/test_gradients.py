@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc.batch import RolloutGroup, collate_groups
@@ -45,9 +44,12 @@ def make_batch(tokenizer, seed: int):
         ids = torch.randint(vocab_lo, vocab_hi, (4, width), generator=gen)
         mask = torch.arange(width)[None, :] < lengths[:, None]
         shift = torch.tensor([-0.9, 0.4, -0.2, 0.1]) if b == 0 else torch.tensor([0.05, -0.02, 0.03, 0.0])
-        behavior = (-math.log(vocab_hi) + shift[:, None] + 0.05 * torch.randn(4, width, generator=gen)).masked_fill(~mask, 0.0)
+        behavior = (
+            -math.log(vocab_hi) + shift[:, None] + 0.05 * torch.randn(4, width, generator=gen)
+        ).masked_fill(~mask, 0.0)
         groups.append(RolloutGroup(
-            prompt_id=b, prompt="", answer="", prompt_ids=torch.randint(vocab_lo, vocab_hi, (prompt_len,), generator=gen),
+            prompt_id=b, prompt="", answer="",
+            prompt_ids=torch.randint(vocab_lo, vocab_hi, (prompt_len,), generator=gen),
             response_ids=ids.masked_fill(~mask, tokenizer.pad_token_id), response_mask=mask,
             behavior_logprobs=behavior, finish_reasons=["stop"] * 4,
             rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]) if b == 0 else torch.tensor([0.0, 0.0, 1.0, 0.0]), version=0,
@@ -103,9 +105,9 @@ def direct_gradient(rule: str, rows, group_size: int = 4):
         group = rows[b : b + group_size]
         coef = coefficients(rule, [r["s"] - float(r["behavior"].sum()) for r in group])
         adv = leave_one_out([r["reward"] for r in group])
-        for r, c, a in zip(group, coef, adv):
+        for r, c, a in zip(group, coef, adv, strict=True):
             term = [c * a * gr / (T_MAX * n_rows) for gr in r["grad"]]
-            total = term if total is None else [x + y for x, y in zip(total, term)]
+            total = term if total is None else [x + y for x, y in zip(total, term, strict=True)]
     return total
 
 
@@ -126,7 +128,7 @@ def direct_grpo_gradient(rows, group_size: int = 4, eps: float = 0.2):
                 if clipped_side:
                     continue
                 term = [ratio * a * gr / (n * n_rows) for gr in r["token_grads"][t]]
-                total = term if total is None else [x + y for x, y in zip(total, term)]
+                total = term if total is None else [x + y for x, y in zip(total, term, strict=True)]
     return total
 
 

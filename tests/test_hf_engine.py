@@ -42,7 +42,7 @@ def test_groups_are_well_formed(tiny_model, char_tokenizer):
         assert g.response_ids.shape[0] == 5 and g.version == 0
         assert char_tokenizer.decode(g.prompt_ids) == g.prompt
         eos = char_tokenizer.eos_token_id
-        for ids, mask, reason in zip(g.response_ids, g.response_mask, g.finish_reasons):
+        for ids, mask, reason in zip(g.response_ids, g.response_mask, g.finish_reasons, strict=True):
             real = ids[mask].tolist()
             assert (ids[~mask] == char_tokenizer.pad_token_id).all()
             assert mask.tolist() == sorted(mask.tolist(), reverse=True)  # real tokens first
@@ -57,8 +57,8 @@ def test_same_seed_same_samples_other_seed_other_samples(tiny_model, char_tokeni
     a = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=5))
     b = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=5))
     c = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=6))
-    assert all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(a, b))
-    assert not all(torch.equal(x.response_ids, z.response_ids) for x, z in zip(a, c))
+    assert all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x.response_ids, z.response_ids) for x, z in zip(a, c, strict=True))
 
 
 def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tokenizer):
@@ -75,7 +75,7 @@ def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tok
     assert all(g.version == 7 for g in after)
     batch, lp = learner_logprobs(tiny_model, after, char_tokenizer.pad_token_id)
     torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask], lp[batch.response_mask], atol=2e-5, rtol=0)
-    assert not all(torch.equal(x.behavior_logprobs, y.behavior_logprobs) for x, y in zip(before, after))
+    assert not all(torch.equal(x.behavior_logprobs, y.behavior_logprobs) for x, y in zip(before, after, strict=True))
     with pytest.raises(KeyError, match="nonexistent"):
         engine.load_weights([("nonexistent.weight", torch.zeros(1))], version=8)
 
@@ -84,7 +84,7 @@ def test_greedy_is_deterministic_across_seeds(tiny_model, char_tokenizer):
     engine = HFEngine(tiny_model, char_tokenizer)
     a = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.0, max_new_tokens=5, seed=1))
     b = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.0, max_new_tokens=5, seed=2))
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x.response_ids, y.response_ids)
         assert torch.equal(x.response_ids[0], x.response_ids[1])
 

@@ -138,7 +138,8 @@ def test_tic_does_not_look_at_the_advantage_sign():
     current = torch.tensor([[2.0], [0.0], [0.0], [0.0]], dtype=torch.float64)
     for rewards in ([1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]):
         terms = PolicyTerms(current, torch.zeros_like(current), torch.ones(g, 1, dtype=torch.bool),
-                            torch.tensor(rewards, dtype=torch.float64), torch.zeros(g, dtype=torch.long), g)  # fmt: skip
+                            torch.tensor(rewards, dtype=torch.float64), torch.zeros(g, dtype=torch.long),
+                            g)  # fmt: skip
         assert CORRECTIONS["tic"].fn(terms, 0.28).coefficients[0] == 0
 
 

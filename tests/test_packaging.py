@@ -32,14 +32,16 @@ def public_modules(names: list[str]) -> list[str]:
 @pytest.mark.slow
 def test_wheel_installs_into_a_fresh_venv_and_every_public_module_imports(tmp_path):
     dist = tmp_path / "dist"
-    build = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(REPO)],
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    build = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist),
+                            str(REPO)], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = dist.glob("lit_gmc-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("lit_gmc/callbacks/weight_sync.py", "lit_gmc/data/engines.py", "lit_gmc/configs/tiny.yaml"):
         assert expected in names, f"{expected} missing from the wheel"
-    assert not any(n.startswith(("callbacks/", "data/", "configs/", "tests/")) for n in names), "stray top-level package"
+    assert not any(n.startswith(("callbacks/", "data/", "configs/", "tests/")) for n in names), (
+        "stray top-level package"
+    )
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)

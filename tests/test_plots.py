@@ -137,7 +137,7 @@ def test_table_cells_are_the_seed_statistics(sweep):
     assert table3["GMC"][2].startswith(f"{expected(greedy)} / ")  # columns G = 4, 8, 32
     table2 = table_rows(text, "**Table 2.**")  # keyed by method; the last delay's row wins
     want = statistics.fmean(statistics.fmean(dropped_of(16, s, t) for t in range(STEPS)) for s in (0, 1))
-    assert table2["TIC"][0] == "16" and table2["TIC"][1] == f"{want:.3g}" and table2["TIC"][3] == "2"
+    assert table2["TIC"][0] == "16" and table2["TIC"][1] == f"{want:.3f}" and table2["TIC"][3] == "2.000"
     assert table2["TIC"][4] == "–"  # no ESS logged in this sweep
     table4 = table_rows(text, "**Table 4.**")
     assert table4["GMC + Cor. 1"][0] == "2" and table4["GMC + Cor. 1"][3] == expected([0.5, 0.51], 1.0, 3)

@@ -23,8 +23,8 @@ from test_hf_engine import PROMPTS, learner_logprobs
 from lit_gmc.actor import TinyRecipe, build_tiny_model
 from lit_gmc.data.datamodule import BehaviorRecompute, validate_engine_options
 from lit_gmc.data.engines import HFEngine, RolloutEngine, SamplingParams
-from lit_gmc.data.vllm_engine import INSTALL_HINT, VLLMOptions, import_vllm, request_seed, with_tied_head
 from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.vllm_engine import INSTALL_HINT, VLLMOptions, import_vllm, request_seed, with_tied_head
 from lit_gmc.tblog import read_scalars
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -48,7 +48,9 @@ def test_publishes_after_every_step_under_the_models_own_names(tmp_path):
 def test_every_n_steps(tmp_path):
     sink = RecordingSink()
     module, data = make_pair("tiny", 5)
-    make_trainer(tmp_path, [WeightSync(sink, every_n_steps=2)], 5, enable_checkpointing=False).fit(module, datamodule=data)
+    make_trainer(tmp_path, [WeightSync(sink, every_n_steps=2)], 5, enable_checkpointing=False).fit(
+        module, datamodule=data
+    )
     assert [v for v, _ in sink.calls] == [0, 2, 4]
 
 
