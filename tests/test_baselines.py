@@ -11,9 +11,9 @@ import math
 from dataclasses import replace
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import Logger
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc import objectives as O
