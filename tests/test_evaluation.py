@@ -200,7 +200,7 @@ def test_qwen_configs_hold_the_paper_defaults(name, actor, capsys):
     assert (model["warmup_fraction"], model["max_grad_norm"], model["dtype"]) == (0.03, 1.0, "bfloat16")
     assert (model["correction"], model["eps"], model["aggregation"]) == ("gmc", 0.28, "seq_sum_over_T")
     assert (data["batch_prompts"], data["group_size"], data["inner_steps"]) == (8, 8, 1)
-    assert (data["max_new_tokens"], data["temperature"], data["top_p"], data["engine"]) == (4096, 1.0, 1.0, "hf")
+    assert (data["max_new_tokens"], data["temperature"], data["top_p"], data["engine"]) == (4096, 1.0, 1.0, "vllm")
     assert data["task"] == "math"
     assert data["task_options"] == {"path": "../shared/data/math_train.jsonl", "max_prompt_tokens": 1024}
     assert trainer["max_steps"] == 800
