@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,10 @@ from lit_gmc.data.vllm_engine import VLLMEngine, VLLMOptions
 from lit_gmc.logprobs import response_logprobs
 
 ENGINES: tuple[str, ...] = ("hf", "vllm")
+
+# Lightning warns that a sized IterableDataset may over-count under several loader workers; ours is read in the
+# main process only (num_workers=0), and its length is what turns Lightning's batch prefetch off.
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined", category=UserWarning)
 
 
 def validate_data_args(
