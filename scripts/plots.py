@@ -173,7 +173,8 @@ def save(fig, out: Path, stem: str) -> list[Path]:
     fig.tight_layout()
     paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
     for path in paths:
-        fig.savefig(path, dpi=150)
+        # no creation date in the PDF, so regenerating unchanged figures gives identical files
+        fig.savefig(path, dpi=150, metadata={"CreationDate": None} if path.suffix == ".pdf" else None)
     plt.close(fig)
     return paths
 
@@ -329,10 +330,12 @@ def diagnostics_table(grid: list[Run], delays: list[int], labels: list[str]) -> 
                     values = [v for _, v in run.scalars.get(tag, [])]
                     if values:
                         summaries.append(statistics.median(values) if how == "median" else statistics.fmean(values))
-                row.append(f"{statistics.fmean(summaries):.3f}" if summaries else "–")
+                # round first so that float noise around 0 prints as 0.000, not -0.000
+                row.append(f"{round(statistics.fmean(summaries), 3) + 0.0:.3f}" if summaries else "–")
             rows.append(row)
     title = ("\n**Table 2.** Diagnostics of the corrections, summarised over each run's updates (mean, or median "
-             "where marked), averaged over seeds (G = 8).\n")  # fmt: skip
+             "where marked), averaged over seeds (G = 8). A column of another rule (TIC-dropped on a GMC run) says "
+             "what that rule would have done with the run's data.\n")  # fmt: skip
     return title + "\n" + markdown_table(header, rows)
 
 
