@@ -21,6 +21,7 @@ from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
 from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
 
+CAPPED_RULES = ("gmc", "tic")  # rules whose eps is the 1 + eps cap of the estimator class (eq. 5), as in Corollary 1
 AGGREGATIONS = ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -29,11 +30,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 def validate_model_args(
     *, correction: str, eps: float | None, aggregation: str | None, lr: float, warmup_fraction: float,
     optimizer: str, max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str,
+    eps_schedule: str = "constant",
 ) -> list[str]:
     """Every problem with the model options, one line each, named by their CLI flags."""
     problems = []
     if correction not in CORRECTIONS:
         problems.append(f"--model.correction={correction!r} is not one of {', '.join(CORRECTIONS)}")
+    elif eps_schedule == "corollary1" and correction not in CAPPED_RULES:
+        problems.append(
+            f"--model.eps_schedule=corollary1 sets a 1 + eps cap, which --model.correction={correction!r} does not "
+            f"have (its eps means something else); use it with {' or '.join(CAPPED_RULES)}"
+        )
     if eps is not None and not eps > 0:
         problems.append(f"--model.eps={eps} must be > 0")
     if aggregation is not None and aggregation not in AGGREGATIONS:
@@ -122,7 +129,7 @@ class GMCModule(pl.LightningModule):
         problems = validate_model_args(
             correction=correction, eps=eps, aggregation=aggregation, lr=lr, warmup_fraction=warmup_fraction,
             optimizer=optimizer, max_grad_norm=max_grad_norm, micro_batch_groups=micro_batch_groups,
-            logit_chunk_tokens=logit_chunk_tokens, dtype=dtype,
+            logit_chunk_tokens=logit_chunk_tokens, dtype=dtype, eps_schedule=eps_schedule,
         )
         problems += validate_eps_schedule_args(
             eps_schedule=eps_schedule, eps_scale=eps_scale, eps_min=eps_min, eps_max=eps_max
@@ -212,10 +219,10 @@ class GMCModule(pl.LightningModule):
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         self.eps = self.eps_schedule.next_eps(batch.delays(self.global_step), self.trainer.max_steps)
-        step = self.hparams.micro_batch_groups
+        per_pass = self.hparams.micro_batch_groups
         losses, outputs, entropies, logprobs = [], [], [], []
-        for start in range(0, batch.num_groups, step):
-            part = batch.groups_slice(start, min(start + step, batch.num_groups))
+        for start in range(0, batch.num_groups, per_pass):
+            part = batch.groups_slice(start, min(start + per_pass, batch.num_groups))
             loss, out, entropy, current = self.micro_batch_loss(batch, part)
             self.manual_backward(loss)
             losses.append(loss.detach())

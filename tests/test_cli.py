@@ -91,3 +91,11 @@ def test_the_embedded_default_applies_without_a_config():
 def test_every_config_parses_and_validates(path):
     config = parse("--config", str(REPO / path))
     assert config.model.correction and config.data.group_size >= 2
+
+
+def test_corollary1_threshold_is_refused_for_rules_without_a_cap():
+    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--model.correction", "vcpo", "--model.eps_schedule",
+                          "corollary1"], capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert "--model.eps_schedule=corollary1" in out.stderr and "'vcpo'" in out.stderr
+    assert parse("--model.correction", "tic", "--model.eps_schedule", "corollary1").model.eps_schedule == "corollary1"

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from run_helpers import fit, write_config
 
 from lit_gmc.eps_schedules import (
     ConstantEps,
@@ -18,7 +19,6 @@ from lit_gmc.eps_schedules import (
     validate_eps_schedule_args,
 )
 from lit_gmc.tblog import read_scalars
-from tests.run_helpers import fit, write_config
 
 
 def direct(tau4: float, n: int, c: float) -> float:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_plots import load_script
 
 from lit_gmc.tblog import read_scalars
-from tests.test_plots import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 sweep = load_script("sweep")
