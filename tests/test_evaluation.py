@@ -207,6 +207,6 @@ def test_qwen_configs_hold_the_paper_defaults(name, actor, capsys):
     callbacks = {c["class_path"].rsplit(".", 1)[1]: c.get("init_args", {}) for c in trainer["callbacks"]}
     assert callbacks["Evaluation"]["at_steps"] == [200, 300, 400, 800]
     periods = [c["init_args"]["every_n_train_steps"] for c in trainer["callbacks"]
-               if c["class_path"].endswith("ModelCheckpoint")]  # fmt: skip
+               if c["class_path"].endswith(("ModelCheckpoint", "RunCheckpoint"))]  # fmt: skip
     saved = {s for s in range(1, 801) if any(s % p == 0 for p in periods)}
     assert {200, 300, 400, 800} <= saved and len(saved) == 5
