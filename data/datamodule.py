@@ -432,8 +432,8 @@ class RolloutDataModule(pl.LightningDataModule):
         scored = []
         for group in self.engine.generate(prompts, hp.group_size, sampling):
             completions = self.tokenizer.batch_decode(group.response_ids, skip_special_tokens=True)
-            scored.append(group.with_rewards(self.task.score(completions, group.answer)))
-            scored[-1].batch_id = launch_id
+            rewards = self.task.score(completions, group.answer)
+            scored.append(dataclasses.replace(group.with_rewards(rewards), batch_id=launch_id))
         return scored
 
     def next_batch(self) -> RolloutBatch:
