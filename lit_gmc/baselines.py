@@ -36,19 +36,12 @@ GAC_LOW, GAC_HIGH = 0.05, 0.30  # cosine thresholds of GAC (Xu et al. 2026)
 A3PO_BEHAVIOR_CAP = 5.0  # tokens with pi_prox / pi_behaviour above this are left out of A-3PO's loss
 
 
-def _per_group(name: str, x: Tensor, group_size: int) -> Tensor:
-    """View ``(N,)`` as ``(B, G)``, naming the tensor when N is not a multiple of G."""
-    if x.dim() != 1 or x.numel() % group_size != 0:
-        raise ValueError(f"{name} must be (B*G,) with G={group_size}, got shape {tuple(x.shape)}")
-    return x.view(-1, group_size)
-
-
 def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: int) -> Tensor:
     """``A_i = (r_i - b_g) / sigma_g`` with the population std of the group's rewards. Returns ``(N,)``.
 
     Where ``sigma_g <= 1e-8`` (rewards tie) the division is skipped, so ties give ``r_i - b_g``, never NaN.
     """
-    r = _per_group("rewards", rewards, group_size)  # (B, G)
+    r = O.per_group(rewards, group_size, "rewards")  # (B, G)
     if baselines.shape != (r.shape[0],):
         raise ValueError(f"baselines must be ({r.shape[0]},), one per group, got {tuple(baselines.shape)}")
     std = r.std(-1, unbiased=False, keepdim=True)  # (B, 1)
@@ -64,14 +57,14 @@ def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_s
     normalised in log space so that a huge ratio cannot overflow. A group whose weights are all zero (every
     gradient norm zero) has no preferred response and falls back to the plain mean reward.
     """
-    lw = _per_group("log_w", log_w.detach(), group_size)  # (B, G)
-    norms = _per_group("grad_norms_sq", grad_norms_sq.detach().to(lw.dtype), group_size)  # (B, G)
+    lw = O.per_group(log_w.detach(), group_size, "log_w")  # (B, G)
+    norms = O.per_group(grad_norms_sq.detach().to(lw.dtype), group_size, "grad_norms_sq")  # (B, G)
     if (norms < 0).any():
         raise ValueError(f"grad_norms_sq must be >= 0, got min {norms.min().item()}")
     log_weight = 2.0 * lw + torch.log(norms)  # (B, G), -inf where the norm is 0
     dead = torch.isneginf(log_weight).all(-1, keepdim=True)  # (B, 1)
     log_weight = torch.where(dead, torch.zeros_like(log_weight), log_weight)  # (B, G)
-    r = _per_group("rewards", rewards, group_size).to(lw.dtype)  # (B, G)
+    r = O.per_group(rewards, group_size, "rewards").to(lw.dtype)  # (B, G)
     return (torch.softmax(log_weight, dim=-1) * r).sum(-1)  # (B,)
 
 
@@ -331,7 +324,7 @@ def cispo(terms: PolicyTerms, eps: float) -> CorrectionOutput:
     No lower bound on the weight (the authors set ``eps_low`` out of reach), advantages
     ``(r_i - mean) / std`` per group (population std, skipped on ties), ``token_mean`` aggregation.
     """
-    r = _per_group("rewards", terms.rewards, terms.group_size)  # (k, G)
+    r = O.per_group(terms.rewards, terms.group_size, "rewards")  # (k, G)
     adv = group_normalized_advantages(terms.rewards, r.mean(-1), terms.group_size)  # (n,)
     return _token_rule(terms, 1.0 + eps, adv, "cispo")
 

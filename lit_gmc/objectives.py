@@ -32,10 +32,10 @@ def _check_tokens(name: str, x: Tensor, mask: Tensor) -> None:
         raise ValueError(f"{name} must be (N, L) like mask, got {tuple(x.shape)} and mask {tuple(mask.shape)}")
 
 
-def _groups(x: Tensor, group_size: int) -> Tensor:
-    """View ``(N,)`` as ``(B, G)``, checking that N is a multiple of G."""
+def per_group(x: Tensor, group_size: int, name: str = "tensor") -> Tensor:
+    """View ``(N,)`` as ``(B, G)``, naming the tensor when N is not a multiple of G."""
     if x.dim() != 1 or x.numel() % group_size != 0:
-        raise ValueError(f"expected (B*G,) with G={group_size}, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must be (B*G,) with G={group_size}, got shape {tuple(x.shape)}")
     return x.view(-1, group_size)
 
 
@@ -55,20 +55,20 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """``A_i = r_i - (1/(G-1)) sum_{j != i} r_j`` (TIC, GMC). Returns ``(N,)``; ties give exactly 0."""
     if group_size < 2:
         raise ValueError(f"leave-one-out advantages need G >= 2, got G={group_size}")
-    r = _groups(rewards, group_size)  # (B, G)
+    r = per_group(rewards, group_size, "rewards")  # (B, G)
     others = (r.sum(-1, keepdim=True) - r) / (group_size - 1)  # (B, G)
     return (r - others).reshape(-1)  # (N,)
 
 
 def group_centered_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """``A_i = r_i - mean_j r_j`` (vanilla GRPO as the paper runs it: centred, not std-normalised)."""
-    r = _groups(rewards, group_size)  # (B, G)
+    r = per_group(rewards, group_size, "rewards")  # (B, G)
     return (r - r.mean(-1, keepdim=True)).reshape(-1)  # (N,)
 
 
 def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
     """``log rho_bar_b = logsumexp_i(log rho_i) - log G``, overflow-free. Returns ``(B,)``."""
-    return torch.logsumexp(_groups(log_rho, group_size), dim=-1) - math.log(group_size)  # (B,)
+    return torch.logsumexp(per_group(log_rho, group_size, "log_rho"), dim=-1) - math.log(group_size)  # (B,)
 
 
 def gmc_coefficients(log_rho: Tensor, group_size: int, eps: float) -> Tensor:
@@ -80,7 +80,7 @@ def gmc_coefficients(log_rho: Tensor, group_size: int, eps: float) -> Tensor:
     factor is a constant of the estimator (Remark 7), and bounded by ``G (1 + eps)``. The group mean of
     ``rho_hat`` is ``min(rho_bar, 1 + eps)``. Returns ``(N,)``.
     """
-    log_rho = _groups(log_rho.detach(), group_size)  # (B, G)
+    log_rho = per_group(log_rho.detach(), group_size, "log_rho")  # (B, G)
     capped = torch.log_softmax(log_rho, dim=-1) + math.log(group_size * (1.0 + eps))  # (B, G)
     return torch.exp(torch.minimum(log_rho, capped)).reshape(-1)  # (N,)
 
@@ -156,7 +156,7 @@ def aggregate_loss(
 
 def group_ess(log_rho: Tensor, group_size: int) -> Tensor:
     """Per-group effective sample size ``(sum rho)^2 / sum rho^2`` in ``[1, G]``, in log space. ``(B,)``."""
-    lr = _groups(log_rho.detach().double(), group_size)  # (B, G)
+    lr = per_group(log_rho.detach().double(), group_size, "log_rho")  # (B, G)
     return torch.exp(2 * torch.logsumexp(lr, -1) - torch.logsumexp(2 * lr, -1)).float()  # (B,)
 
 
@@ -167,7 +167,7 @@ def removed_mass(log_rho: Tensor, coefficients: Tensor, group_size: int) -> Tens
     huge number rather than inf.
     """
     rho = torch.exp(log_rho.detach().double().clamp(max=700.0))  # (N,)
-    return _groups(rho - coefficients.detach().double(), group_size).mean(-1)  # (B,)
+    return per_group(rho - coefficients.detach().double(), group_size, "coefficients").mean(-1)  # (B,)
 
 
 def token_entropy_from_logits(logits: Tensor) -> Tensor:
