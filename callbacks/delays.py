@@ -37,7 +37,6 @@ class DelayAccounting(pl.Callback):
             raise ValueError(f"histogram_every_n_steps must be >= 1, got {histogram_every_n_steps}")
         self.histogram_every_n_steps = histogram_every_n_steps
         self.moments = RunningDelayMoments()
-        self.sum_mean_delay = 0.0  # sum over updates of the update's mean delay (p = 1 of eq. 11)
         self.length_sum = 0.0  # completion tokens of the consumed trajectories (virtual clock only)
         self.length_count = 0
 
@@ -53,11 +52,10 @@ class DelayAccounting(pl.Callback):
             )
         delays = outputs["delays"].detach().double().flatten()  # (N,)
         self.moments.update(delays)
-        self.sum_mean_delay += float(delays.mean())
         scalars = {
             "delay/tau_bar_2": self.moments.tau2,
             "delay/tau_bar_4": self.moments.tau4,
-            "delay/running_mean": self.sum_mean_delay / self.moments.updates,
+            "delay/running_mean": self.moments.tau1,
         }
         per_length = getattr(batch, "info", {}).get("delay_per_length")
         if per_length is not None:
@@ -83,12 +81,10 @@ class DelayAccounting(pl.Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "moments": self.moments.state_dict(), "sum_mean_delay": self.sum_mean_delay,
-            "length_sum": self.length_sum, "length_count": self.length_count,
+            "moments": self.moments.state_dict(), "length_sum": self.length_sum, "length_count": self.length_count,
         }  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.moments.load_state_dict(state_dict["moments"])
-        self.sum_mean_delay = state_dict["sum_mean_delay"]
         self.length_sum, self.length_count = state_dict["length_sum"], state_dict["length_count"]

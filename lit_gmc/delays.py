@@ -17,6 +17,7 @@ class RunningDelayMoments:
 
     def __init__(self) -> None:
         self.updates = 0
+        self.sum_p1 = 0.0
         self.sum_p2 = 0.0
         self.sum_p4 = 0.0
 
@@ -28,8 +29,14 @@ class RunningDelayMoments:
         if (d < 0).any():
             raise ValueError(f"delays must be >= 0, got min {float(d.min())}")
         self.updates += 1
+        self.sum_p1 += float(d.mean())
         self.sum_p2 += float((d**2).mean())
         self.sum_p4 += float((d**4).mean())
+
+    @property
+    def tau1(self) -> float:
+        """Running mean delay, ``(1/n) sum_k tau_k`` (``p = 1``)."""
+        return self.sum_p1 / self.updates if self.updates else 0.0
 
     @property
     def tau2(self) -> float:
@@ -43,8 +50,9 @@ class RunningDelayMoments:
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: update count and the two running sums."""
-        return {"updates": self.updates, "sum_p2": self.sum_p2, "sum_p4": self.sum_p4}
+        return {"updates": self.updates, "sum_p1": self.sum_p1, "sum_p2": self.sum_p2, "sum_p4": self.sum_p4}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
-        self.updates, self.sum_p2, self.sum_p4 = state["updates"], state["sum_p2"], state["sum_p4"]
+        self.updates, self.sum_p1 = state["updates"], state["sum_p1"]
+        self.sum_p2, self.sum_p4 = state["sum_p2"], state["sum_p4"]

@@ -106,7 +106,7 @@ def test_state_survives_a_checkpoint_resume(tmp_path):
     )
     assert resumed.moments.state_dict() == pytest.approx(unbroken.moments.state_dict())
     assert (resumed.length_sum, resumed.length_count) == (unbroken.length_sum, unbroken.length_count)
-    assert resumed.sum_mean_delay == pytest.approx(unbroken.sum_mean_delay)
+    assert resumed.moments.tau1 == pytest.approx(unbroken.moments.tau1)
 
 
 def test_missing_delays_is_a_clear_error(tmp_path):
