@@ -17,6 +17,7 @@ from typing_extensions import override
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
+from lit_gmc.callbacks.diagnostics import zero_variance_fraction
 from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
 from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
@@ -288,7 +289,6 @@ class GMCModule(pl.LightningModule):
     ) -> None:
         """Per-step scalars of update ``step`` (``lr`` is the scheduled rate it used, before any step rule)."""
         rewards = stats["rewards"]
-        zero_var = rewards.view(-1, batch.group_size).std(-1, unbiased=False) == 0
         delays = stats["delays"].float()
         scalars = {
             "train/reward": rewards.mean(),
@@ -306,7 +306,7 @@ class GMCModule(pl.LightningModule):
             "correction/removed_mass": stats["removed_mass"].mean(),
             "train/response_length": stats["response_lengths"].float().mean(),
             "train/entropy": stats["entropy"].mean() if stats["entropy"].numel() else torch.tensor(0.0),
-            "train/zero_variance_groups": zero_var.float().mean(),
+            "train/zero_variance_groups": torch.tensor(zero_variance_fraction(rewards, batch.group_size)),
         }
         scalars.update({k: v for k, v in stats.items() if v.dim() == 0 and "/" in k})
         scalars.update({f"schedule/{k}": torch.tensor(v) for k, v in batch.info.items()})
