@@ -12,8 +12,6 @@ key                        shape         meaning
 =========================  ============  ==========================================================
 ``log_rho``                ``(N,)``      trajectory log-ratio ``log pi_theta(y) - log pi_behaviour(y)``
 ``log_rho_bar``            ``(B,)``      group log mean ratio ``logsumexp_i log rho_i - log G``
-``gmc_rescaled``           ``(B,)``      bool: GMC rescales the group (``rho_bar > 1 + eps``)
-``tic_dropped``            ``(N,)``      bool: TIC drops the trajectory (``rho > 1 + eps``)
 ``removed_mass``           ``(B,)``      ``(1/G) sum_i (rho_i - c_i)``, importance mass the rule removed
 ``ess``                    ``(B,)``      group effective sample size ``(sum rho)^2 / sum rho^2``
 ``rewards``                ``(N,)``      rewards
@@ -22,6 +20,10 @@ key                        shape         meaning
 ``entropy``                ``(tokens,)`` current policy's entropy at every real response token
 ``schedule/draining``      ``()``        1 once the delay queue drains (no new generation)
 =========================  ============  ==========================================================
+
+The cross-rule diagnostics (the share of groups GMC would rescale, ``rho_bar > 1 + cap_eps``, and of trajectories
+TIC would drop, ``rho > 1 + cap_eps``) use the callback's own fixed ``cap_eps``, whatever rule trains, so runs of
+different rules are compared at one threshold. The training reward itself is the learner's ``train/reward``.
 
 Scalars go to every logger's ``log_metrics`` under ``{prefix}/...``, at the step Lightning logs the batch
 at. (Not through ``pl_module.log``: Lightning re-logs a value at later steps until it is logged again, which
@@ -46,8 +48,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-ROW_KEYS = ("log_rho", "tic_dropped", "rewards", "response_lengths", "delays")
-GROUP_KEYS = ("log_rho_bar", "gmc_rescaled", "removed_mass", "ess")
+from lit_gmc.objectives import zero_variance_fraction
+
+ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
+GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
 HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
               "response_lengths": "response_length", "entropy": "entropy"}  # fmt: skip
 
@@ -97,12 +101,6 @@ def pearson(x: Tensor, y: Tensor) -> float | None:
     dx, dy = x - x.mean(), y - y.mean()
     denominator = math.sqrt(float((dx * dx).sum()) * float((dy * dy).sum()))
     return float((dx * dy).sum()) / denominator if denominator > 0 else None
-
-
-def zero_variance_fraction(rewards: Tensor, group_size: int) -> float:
-    """Fraction of groups whose rewards all tie (their advantages are all 0: no learning signal)."""
-    grouped = rewards.detach().view(-1, group_size)  # (B, G)
-    return float((grouped == grouped[:, :1]).all(-1).float().mean())
 
 
 def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
@@ -170,8 +168,8 @@ class CentredRollingMean:
         self.count, self.emitted = state["count"], state["emitted"]
 
 
-def step_scalars(stats: Mapping[str, Tensor]) -> dict[str, float]:
-    """Every per-update scalar the stats support (tags without the prefix)."""
+def step_scalars(stats: Mapping[str, Tensor], cap_eps: float = 0.28) -> dict[str, float]:
+    """Every per-update scalar the stats support (tags without the prefix); ``cap_eps``: the GMC/TIC threshold."""
     rows, groups = check_stats(stats)
     out: dict[str, float] = {}
     if "log_rho" in stats:
@@ -182,9 +180,10 @@ def step_scalars(stats: Mapping[str, Tensor]) -> dict[str, float]:
         lb = stats["log_rho_bar"].detach().double()
         out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": lb.quantile(0.5),
                     "rho_bar/log_q90": lb.quantile(0.9), "rho_bar/log_max": lb.max()})  # fmt: skip
-    for key, tag in (("gmc_rescaled", "gmc/rescaled_fraction"), ("tic_dropped", "tic/dropped_fraction")):
+    cap = math.log1p(cap_eps)
+    for key, tag in (("log_rho_bar", "gmc/rescaled_fraction"), ("log_rho", "tic/dropped_fraction")):
         if key in stats:
-            out[tag] = stats[key].detach().float().mean()
+            out[tag] = (stats[key].detach() > cap).double().mean()
     if "removed_mass" in stats:
         mass = stats["removed_mass"].detach().double()
         out.update({"removed_mass/mean": mass.mean(), "removed_mass/max": mass.max()})
@@ -196,10 +195,8 @@ def step_scalars(stats: Mapping[str, Tensor]) -> dict[str, float]:
     if "response_lengths" in stats:
         lengths = stats["response_lengths"].detach().double()
         out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.max()})
-    if "rewards" in stats:
-        out["reward/mean"] = stats["rewards"].detach().double().mean()
-        if groups is not None:
-            out["reward/zero_variance_fraction"] = zero_variance_fraction(stats["rewards"], rows // groups)
+    if "rewards" in stats and groups is not None:
+        out["reward/zero_variance_fraction"] = zero_variance_fraction(stats["rewards"], rows // groups)
     if "entropy" in stats and stats["entropy"].numel():
         out["entropy/mean"] = stats["entropy"].detach().double().mean()
     if "response_lengths" in stats:
@@ -218,11 +215,19 @@ class Diagnostics(pl.Callback):
         entropy_window: Width of the centred rolling mean of the entropy (the paper's Figure 4 uses 25).
         histogram_every_n_steps: Period of the histograms (each costs a binning pass; scalars are every step).
         prefix: Tag prefix.
+        cap_eps: Threshold of the cross-rule diagnostics: the share of groups with ``rho_bar > 1 + cap_eps`` (GMC
+            would rescale them) and of trajectories with ``rho > 1 + cap_eps`` (TIC would drop them). Fixed, not
+            the active rule's eps (which is a PPO clip for GRPO, a truncation for VCPO, ...); the paper's 0.28.
     """
 
-    def __init__(self, entropy_window: int = 25, histogram_every_n_steps: int = 10, prefix: str = "diag") -> None:
+    def __init__(
+        self, entropy_window: int = 25, histogram_every_n_steps: int = 10, prefix: str = "diag", cap_eps: float = 0.28
+    ) -> None:
         if histogram_every_n_steps < 1:
             raise ValueError(f"histogram_every_n_steps must be >= 1, got {histogram_every_n_steps}")
+        if not (cap_eps > 0 and math.isfinite(cap_eps)):
+            raise ValueError(f"cap_eps must be finite and > 0, got {cap_eps}")
+        self.cap_eps = cap_eps
         self.entropy_window = entropy_window
         self.histogram_every_n_steps = histogram_every_n_steps
         self.prefix = prefix
@@ -255,7 +260,7 @@ class Diagnostics(pl.Callback):
             raise TypeError("Diagnostics needs training_step to return a dict with some of the keys "
                             f"{', '.join(known)} (see lit_gmc.callbacks.diagnostics); got {got}")  # fmt: skip
         step = trainer.fit_loop.total_batch_idx  # the step Lightning logs this batch's metrics at
-        scalars = step_scalars(outputs)
+        scalars = step_scalars(outputs, self.cap_eps)
         if "drain/active" in scalars and scalars["drain/active"] > 0.5 and self.drain_step is None:
             self.drain_step = step
             scalars["drain/step"] = float(step)  # a single point: the update at which the queue started draining

@@ -1,11 +1,13 @@
-"""Evaluate the policy on math benchmarks during training: greedy accuracy, avg@n and pass@k, to TensorBoard.
+r"""Evaluate the policy on math benchmarks during training: greedy accuracy, avg@n and pass@k, to TensorBoard.
 
 The callback generates through any object with ``generate(prompts, n, sampling)`` (:class:`GenerationEngine`),
 by default the DataModule's ``rollout_engine``, and decodes with the DataModule's ``tokenizer``. It runs at
 the start of a training batch (and at the end of training), after the previous step's weights have been
 published, so it does not depend on where it sits in the callback list; the policy version it actually
 evaluated is recorded next to the step. Benchmark loading, prompts and scoring come from ``lit_gmc.data``,
-imported in ``setup``, so importing this module stays light.
+imported in ``setup``, so importing this module stays light. Benchmarks come from their hub datasets unless
+``data_dir`` or ``sources`` name local copies; a completion is scored by its last complete ``\boxed{}``, as in
+the paper and as the training reward does by default.
 
 :func:`evaluate_suites` is the engine-agnostic core, shared with ``scripts/evaluate.py``.
 """
@@ -131,8 +133,10 @@ class Evaluation(pl.Callback):
             ``minerva``, ``amc23``).
         every_n_steps: Period in optimizer steps (``null``: only ``at_steps``).
         at_steps: Extra steps to evaluate at (the paper: 200, 300, 400, 800); 0 evaluates before training.
-        data_dir: Folder of the benchmark files.
-        sources: Per-benchmark file or hub name, overriding ``data_dir``.
+        data_dir: Folder of local benchmark copies under their usual names (``../shared/data``); ``null`` reads
+            each benchmark from its hub dataset (``lit_gmc.data.benchmarks.BENCHMARKS``).
+        sources: Per-benchmark override of both: a local JSONL file, a dataset folder laid out like the hub
+            repository, or another hub name.
         samples: Samples per problem for avg@n and pass@k; ``null`` takes the paper's n (16 for MATH-500,
             Minerva and AMC23, 8 otherwise).
         ks: pass@k sizes (those above a benchmark's n are skipped).
@@ -144,6 +148,8 @@ class Evaluation(pl.Callback):
         engine: Engine to generate with; ``null`` takes ``trainer.datamodule.rollout_engine`` at setup.
         tokenizer: Tokenizer to decode (and count prompt tokens) with; ``null`` takes ``trainer.datamodule.tokenizer``.
         scorer: Reward of a completion; ``null`` builds the MATH scorer (last ``\boxed{}`` + math-verify).
+        cut_at_next_problem: For the built scorer: score only the text before an invented next ``Problem:``
+            line (a deviation from the paper, which scores the whole completion); match the training reward's.
     """
 
     def __init__(
@@ -151,7 +157,7 @@ class Evaluation(pl.Callback):
         benchmarks: Sequence[str] = PAPER_BENCHMARKS,
         every_n_steps: int | None = None,
         at_steps: Sequence[int] = (),
-        data_dir: str = "../shared/data",
+        data_dir: str | None = None,
         sources: dict[str, str] | None = None,
         samples: int | None = None,
         ks: Sequence[int] = PAPER_KS,
@@ -163,6 +169,7 @@ class Evaluation(pl.Callback):
         engine: GenerationEngine | None = None,
         tokenizer: Any = None,
         scorer: Scorer | None = None,
+        cut_at_next_problem: bool = False,
     ) -> None:
         problems = []
         if not benchmarks:
@@ -184,7 +191,7 @@ class Evaluation(pl.Callback):
         self.at_steps = sorted(set(at_steps))
         self.data_dir, self.sources, self.samples, self.ks = data_dir, dict(sources or {}), samples, tuple(ks)
         self.max_new_tokens, self.max_prompt_tokens, self.max_problems = max_new_tokens, max_prompt_tokens, max_problems
-        self.seed, self.verifier_workers = seed, verifier_workers
+        self.seed, self.verifier_workers, self.cut_at_next_problem = seed, verifier_workers, cut_at_next_problem
         self._given = {"engine": engine, "tokenizer": tokenizer, "scorer": scorer}
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.suites: list[Suite] = []
@@ -227,7 +234,11 @@ class Evaluation(pl.Callback):
             raise TypeError(
                 "Evaluation needs a tokenizer with batch_decode: pass `tokenizer`, or use a DataModule with one"
             )
-        self.scorer = self._given["scorer"] or self.scorer or MathScorer(num_workers=self.verifier_workers)
+        self.scorer = (
+            self._given["scorer"]
+            or self.scorer
+            or MathScorer(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
+        )
         rank, world = trainer.global_rank, trainer.world_size
         self.suites = []
         for name in self.benchmarks:

@@ -1,32 +1,33 @@
 r"""The paper's six evaluation benchmarks, each read into ``(problem, reference answer)`` pairs.
 
-Every loader takes a local JSONL file (the copies in ``../shared/data``, see its ``SOURCES.md``) or a hub
-dataset name, reads it through the ``datasets`` library, checks the fields it needs (an error names the
-file and line), and turns the benchmark's own answer format into one LaTeX string for the verifier:
+Each benchmark has a default hub source (a :class:`~lit_gmc.data.math_data.DataSource`: dataset, config,
+split and the columns to read), so a plain clone needs no local files. A local JSONL copy (the files in
+``../shared/data``, see its ``SOURCES.md``), a data folder holding those copies, a dataset folder laid out like
+the hub repository, or another hub name overrides it (:func:`load_benchmark`). Everything is read through the
+``datasets`` library, every row is checked (an error names the file and line, or the row), and the
+benchmark's own answer format becomes one LaTeX string for the verifier. A source says how its reference is
+stored by which of our reference fields it maps (:data:`REFERENCE_FIELDS`):
 
-========================  ==================  =====================================================
-benchmark                 problem field       reference answer
-========================  ==================  =====================================================
-MATH-500                  ``problem``         ``answer``
-GSM8K                     ``question``        the number after ``####`` in ``answer``
-Gaokao2023-En             ``question``        ``answer`` without its ``$`` delimiters
-OlympiadBench (OE_TO_     ``question``        ``final_answer`` (a list; several entries when
-maths_en_COMP)                                ``is_multiple_answer``) joined into one set
-Minerva Math              ``problem``         last ``\boxed{}`` of ``solution``
-AMC23                     ``problem``         ``answer`` (a float such as ``27.0``, as ``27``)
-========================  ==================  =====================================================
+==============  ============================================================================================
+field           reference answer
+==============  ============================================================================================
+``answer``      the value as stored: text loses its ``$`` delimiters, an integral float such as AMC23's
+                ``27.0`` becomes ``27``, a list (OlympiadBench's ``final_answer``, several entries when
+                ``is_multiple_answer``) is joined into one set
+``solution``    the last complete ``\boxed{}`` of a worked solution (the local Minerva copy)
+``rationale``   the number after GSM8K's ``####``, thousands separators removed
+==============  ============================================================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lit_gmc.data.answers import gsm8k_final_answer, last_boxed, reference_text
-from lit_gmc.data.math_data import load_records, row_location
-
-DEFAULT_DATA_DIR = "../shared/data"
+from lit_gmc.data.math_data import DataSource, load_records, resolve_source, row_location
 
 
 @dataclass(frozen=True)
@@ -37,82 +38,140 @@ class BenchmarkItem:
     answer: str
 
 
-def load_math500(source: str, split: str = "test", config: str | None = None) -> list[BenchmarkItem]:
-    """MATH-500 (the PRM800K 500-problem subset of the MATH test set)."""
-    rows = load_records(source, {"problem": str, "answer": str}, split=split, config=config)
-    return [BenchmarkItem(r["problem"], reference_text(r["answer"])) for r in rows]
+def boxed_reference(solution: str) -> str:
+    r"""The reference in a worked solution: its last complete, non-empty ``\boxed{}``.
 
-
-def load_gsm8k(source: str, split: str = "test", config: str | None = None) -> list[BenchmarkItem]:
-    """GSM8K test: the reference is the number after the rationale's ``####``."""
-    rows = load_records(source, {"question": str, "answer": str}, split=split, config=config)
-    items = []
-    for index, row in enumerate(rows):
-        answer = gsm8k_final_answer(row["answer"])
-        if answer is None:
-            raise ValueError(f"{row_location(source, index, split)}: no '#### <answer>' line in field 'answer'")
-        items.append(BenchmarkItem(row["question"], answer))
-    return items
-
-
-def load_gaokao2023en(source: str, split: str = "test", config: str | None = None) -> list[BenchmarkItem]:
-    """Gaokao 2023 English: answers are LaTeX wrapped in ``$...$``."""
-    rows = load_records(source, {"question": str, "answer": str}, split=split, config=config)
-    return [BenchmarkItem(r["question"], reference_text(r["answer"])) for r in rows]
-
-
-def load_olympiadbench(source: str, split: str = "test", config: str | None = None) -> list[BenchmarkItem]:
-    """OlympiadBench OE_TO_maths_en_COMP: ``final_answer`` lists are read as (order-free) sets.
-
-    That covers the ``is_multiple_answer`` rows; ``unit`` is ignored (the reference is the quantity).
+    Raises:
+        ValueError: If the solution has no such box.
     """
-    rows = load_records(source, {"question": str, "final_answer": list}, split=split, config=config)
+    answer = last_boxed(solution)
+    if not answer:
+        raise ValueError("no complete \\boxed{} with an answer")
+    return reference_text(answer)  # one Minerva box holds a stray "$ $"
+
+
+def gsm8k_reference(rationale: str) -> str:
+    """The reference in a GSM8K rationale: the number after its last ``####``.
+
+    Raises:
+        ValueError: If there is no ``#### <answer>`` line.
+    """
+    answer = gsm8k_final_answer(rationale)
+    if answer is None:
+        raise ValueError("no '#### <answer>' line")
+    return answer
+
+
+REFERENCE_FIELDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], str]]] = {
+    "answer": ((str, int, float, list), reference_text),
+    "solution": (str, boxed_reference),
+    "rationale": (str, gsm8k_reference),
+}
+"""Our field that holds the reference -> (accepted types, reader to one LaTeX string). A source maps exactly one."""
+
+
+def reference_field(source: DataSource) -> str:
+    """Which of :data:`REFERENCE_FIELDS` the source maps.
+
+    Raises:
+        ValueError: If it maps none or several.
+    """
+    found = [name for name in REFERENCE_FIELDS if name in source.columns]
+    if len(found) != 1:
+        raise ValueError(
+            f"{source.path}: columns must map exactly one of {', '.join(REFERENCE_FIELDS)} to a column "
+            f"(got {dict(source.columns)})"
+        )
+    return found[0]
+
+
+def load_items(source: DataSource) -> list[BenchmarkItem]:
+    """Problems and references of one benchmark source (see the module docstring for the reference fields).
+
+    Raises:
+        ValueError: For a malformed row, naming its file and line (or its row on the hub) and the column.
+    """
+    name = reference_field(source)
+    kinds, read = REFERENCE_FIELDS[name]
     items = []
-    for index, row in enumerate(rows):
+    for index, row in enumerate(load_records(source, {"problem": str, name: kinds})):
         try:
-            items.append(BenchmarkItem(row["question"], reference_text(row["final_answer"])))
+            items.append(BenchmarkItem(row["problem"], read(row[name])))
         except ValueError as err:
-            raise ValueError(f"{row_location(source, index, split)}: field 'final_answer': {err}") from err
+            raise ValueError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
     return items
 
 
-def load_minerva(source: str, split: str = "test", config: str | None = None) -> list[BenchmarkItem]:
-    r"""Minerva Math (MIT OCW problems): the reference is the last ``\boxed{}`` of ``solution``."""
-    rows = load_records(source, {"problem": str, "solution": str}, split=split, config=config)
-    items = []
-    for index, row in enumerate(rows):
-        answer = last_boxed(row["solution"])
-        if not answer:
-            raise ValueError(f"{row_location(source, index, split)}: no complete \\boxed{{}} in field 'solution'")
-        items.append(BenchmarkItem(row["problem"], reference_text(answer)))  # one box holds a stray "$ $"
-    return items
+MATH500_HUB = DataSource("HuggingFaceH4/MATH-500", {"problem": "problem", "answer": "answer"}, None, "test")
+"""Checked against the card of HuggingFaceH4/MATH-500: one config, split ``test`` (500 rows, ``test.jsonl``),
+columns ``problem``, ``solution``, ``answer``, ``subject``, ``level``, ``unique_id``: the local copy's layout."""
 
+GSM8K_HUB = DataSource("openai/gsm8k", {"problem": "question", "rationale": "answer"}, "main", "test")
+"""Checked against the card of openai/gsm8k: configs ``main`` and ``socratic``; ``main`` has splits ``train``
+(7,473) and ``test`` (1,319, ``main/test-00000-of-00001.parquet``), columns ``question`` and ``answer`` (the
+rationale, ending in ``#### <number>``): the local copy's layout, less its ``idx``."""
 
-def load_amc23(source: str, split: str = "test", config: str | None = None) -> list[BenchmarkItem]:
-    """AMC 2023: numeric answers (stored as floats)."""
-    rows = load_records(source, {"problem": str, "answer": (int, float, str)}, split=split, config=config)
-    return [BenchmarkItem(r["problem"], reference_text(r["answer"])) for r in rows]
+GAOKAO2023EN_HUB = DataSource(
+    "MARIO-Math-Reasoning/Gaokao2023-Math-En", {"problem": "question", "answer": "answer"}, None, "train"
+)
+"""Checked against the file list of MARIO-Math-Reasoning/Gaokao2023-Math-En (MIT): one file,
+``Gaokao2023-Math-En.jsonl``, so its only split is the ``train`` that ``datasets`` names an unsplit file
+(385 problems), with columns ``question``, ``answer`` (LaTeX in ``$...$``), ``source``, ``lang``,
+``sourcename``, ``id`` as its users read them: the local copy's layout. Uncertain: the column list was seen in
+users' code, not in the card (whose README has only a license)."""
+
+OLYMPIADBENCH_HUB = DataSource(
+    "Hothan/OlympiadBench", {"problem": "question", "answer": "final_answer"}, "OE_TO_maths_en_COMP", "train"
+)
+"""Checked against users of Hothan/OlympiadBench: config ``OE_TO_maths_en_COMP`` (open-ended, text-only,
+English maths competition problems), whose only split is ``train``; columns include ``question``,
+``final_answer`` (a list of strings), ``is_multiple_answer``, ``unit``, ``context``. Uncertain: the row count;
+evalscope lists 674 for this subset (the paper's number), the local copy holds 675 (see ``SOURCES.md``)."""
+
+MINERVA_HUB = DataSource("math-ai/minervamath", {"problem": "question", "answer": "answer"}, None, "test")
+"""Checked against the file list of math-ai/minervamath (one file, ``test.jsonl``, so split ``test``; 272
+problems) and its users, who all read columns ``question`` and ``answer`` (the final answer, not a worked
+solution: unlike the local copy, whose reference is the last box of ``solution``). Uncertain: the card lists no
+columns, and one user rewrites a few answers given in Python notation (``np.``), which may then never verify."""
+
+AMC23_HUB = DataSource("math-ai/amc23", {"problem": "question", "answer": "answer"}, None, "test")
+"""Checked against users of math-ai/amc23: split ``test`` (40 problems of AMC 12A/12B 2023), columns ``id``,
+``question``, ``answer``, ``url`` (the local copy also has ``question``, a copy of its ``problem``). Uncertain:
+whether ``answer`` is stored as a number (the local copy's ``27.0``) or as text; both are accepted."""
 
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """How to find and read one benchmark, and how many samples the paper draws per problem."""
+    """How to find and read one benchmark, and how many samples the paper draws per problem.
+
+    Attributes:
+        title: Display name.
+        samples: The paper's n for avg@n.
+        hub: Default source (a hub dataset).
+        filename: Name of the local copy in a data folder (``../shared/data``).
+        file_columns: Columns of that local copy (the Qwen2.5-Math evaluation layout).
+    """
 
     title: str
-    filename: str
     samples: int
-    loader: Callable[..., list[BenchmarkItem]]
+    hub: DataSource
+    filename: str
+    file_columns: Mapping[str, str]
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "math500": BenchmarkSpec("MATH-500", "math500_test.jsonl", 16, load_math500),
-    "gsm8k": BenchmarkSpec("GSM8K", "gsm8k_test.jsonl", 8, load_gsm8k),
-    "gaokao2023en": BenchmarkSpec("Gaokao2023-En", "gaokao2023en_test.jsonl", 8, load_gaokao2023en),
-    "olympiadbench": BenchmarkSpec(
-        "OlympiadBench", "olympiadbench_OE_TO_maths_en_COMP_test.jsonl", 8, load_olympiadbench
+    "math500": BenchmarkSpec("MATH-500", 16, MATH500_HUB, "math500_test.jsonl", MATH500_HUB.columns),
+    "gsm8k": BenchmarkSpec("GSM8K", 8, GSM8K_HUB, "gsm8k_test.jsonl", GSM8K_HUB.columns),
+    "gaokao2023en": BenchmarkSpec(
+        "Gaokao2023-En", 8, GAOKAO2023EN_HUB, "gaokao2023en_test.jsonl", GAOKAO2023EN_HUB.columns
     ),
-    "minerva": BenchmarkSpec("Minerva", "minerva_math_test.jsonl", 16, load_minerva),
-    "amc23": BenchmarkSpec("AMC23", "amc23_test.jsonl", 16, load_amc23),
+    "olympiadbench": BenchmarkSpec(
+        "OlympiadBench", 8, OLYMPIADBENCH_HUB, "olympiadbench_OE_TO_maths_en_COMP_test.jsonl", OLYMPIADBENCH_HUB.columns
+    ),
+    "minerva": BenchmarkSpec(
+        "Minerva", 16, MINERVA_HUB, "minerva_math_test.jsonl", {"problem": "problem", "solution": "solution"}
+    ),
+    "amc23": BenchmarkSpec("AMC23", 16, AMC23_HUB, "amc23_test.jsonl", {"problem": "problem", "answer": "answer"}),
 }
 """Registry: name -> spec. ``samples`` is the paper's n for avg@n (16 for MATH-500, Minerva, AMC23; 8 otherwise)."""
 
@@ -129,18 +188,29 @@ class Benchmark:
 
 def load_benchmark(
     name: str,
-    source: str | None = None,
-    data_dir: str = DEFAULT_DATA_DIR,
-    split: str = "test",
+    source: str | DataSource | None = None,
+    data_dir: str | None = None,
+    split: str | None = None,
     config: str | None = None,
 ) -> Benchmark:
-    """Load a registered benchmark from ``source`` (a file or hub name) or from its file under ``data_dir``.
+    """Load a registered benchmark, by default from its hub source.
+
+    Args:
+        name: Registry name (see :data:`BENCHMARKS`).
+        source: Overrides the hub source: a local JSONL copy (read with the copy's columns), a hub name or a
+            dataset folder (read with the hub spec's config, split and columns), or a full ``DataSource``.
+        data_dir: Folder holding the local copies under their usual names; used when ``source`` is not given.
+        split: Overrides the source's split.
+        config: Overrides the source's config.
 
     Raises:
         ValueError: For an unknown name (the message lists the known ones) or a malformed row.
+        FileNotFoundError: For a local file or folder that does not exist.
     """
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     spec = BENCHMARKS[name]
-    source = source if source is not None else str(Path(data_dir) / spec.filename)
-    return Benchmark(name, spec.title, spec.samples, spec.loader(source, split=split, config=config))
+    if source is None and data_dir is not None:
+        source = str(Path(data_dir) / spec.filename)
+    chosen = resolve_source(source, spec.hub, spec.file_columns, split=split, config=config)
+    return Benchmark(name, spec.title, spec.samples, load_items(chosen))

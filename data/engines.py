@@ -11,12 +11,13 @@ import copy
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from lit_gmc.batch import RolloutGroup
+from lit_gmc.data.components import check_options
 from lit_gmc.data.tasks import Prompt
 
 
@@ -39,7 +40,16 @@ class SamplingParams:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """The one interface the DataModule and the evaluation callback use."""
+    """The one interface the DataModule and the evaluation callback use.
+
+    An engine is built from its own options (a LightningCLI component, ``data.engine``); the DataModule then
+    calls :meth:`start` with the actor, and reads :attr:`tokenizer` to decode and pad.
+    """
+
+    tokenizer: Any
+
+    def start(self, actor: str) -> None:
+        """Load the actor (``"tiny"``, a hub name or a local path) as the sampling weights, at version 0."""
 
     @property
     def version(self) -> int:
@@ -63,24 +73,47 @@ def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
     return ~after_eos, reasons
 
 
-class HFEngine:
-    """transformers ``generate`` on a private behaviour copy of the actor (the CPU default).
+class HFEngine(RolloutEngine):
+    """transformers ``generate`` on a behaviour copy of the actor (the CPU default).
+
+    Built from its options alone (``data.engine``); :meth:`start` loads the actor, or :meth:`from_model` wraps a
+    model already in memory.
 
     Args:
-        model: The actor at version 0; the engine deep-copies it so the learner can keep training.
-        tokenizer: Its tokenizer (``pad_token_id`` and ``eos_token_id`` must be set).
-        batch_rows: Maximum rows (prompts x n) per ``generate`` call, to bound memory.
+        batch_rows: Most rows (prompts x n) per ``generate`` call, to bound memory.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, batch_rows: int = 512) -> None:
-        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
-            raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.tokenizer = tokenizer
+    def __init__(self, batch_rows: int = 512) -> None:
+        check_options("HFEngine", self.option_problems(batch_rows))
         self.batch_rows = batch_rows
+        self.model: nn.Module | None = None
+        self.tokenizer = None
         self._version = 0
         # Generation and weight loads may come from different threads (live schedule, evaluation).
         self._lock = threading.Lock()
+
+    @staticmethod
+    def option_problems(batch_rows: int) -> list[str]:
+        """Every problem with the options, named by their init args."""
+        return [f"batch_rows={batch_rows} must be >= 1"] if batch_rows < 1 else []
+
+    @classmethod
+    def from_model(cls, model: nn.Module, tokenizer, batch_rows: int = 512) -> HFEngine:
+        """An engine sampling with a private copy of ``model`` (version 0), so the caller can keep training it."""
+        engine = cls(batch_rows)
+        engine._attach(copy.deepcopy(model), tokenizer)
+        return engine
+
+    def start(self, actor: str) -> None:
+        """Load ``actor`` (``"tiny"``, a hub name or a local path) as the behaviour model, at version 0."""
+        from lit_gmc.actor import load_actor, resolve_actor_path
+
+        self._attach(*load_actor(resolve_actor_path(actor)))
+
+    def _attach(self, model: nn.Module, tokenizer) -> None:
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
+        self.model, self.tokenizer, self._version = model.eval().requires_grad_(False), tokenizer, 0
 
     @property
     def version(self) -> int:

@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules import Batch, _CountedSchedule, batch_from_state, batch_state
+from lit_gmc.data.components import check_options
+from lit_gmc.data.schedules import Batch, DelaySchedule, batch_from_state, batch_state
 
 GroupProducer = Callable[..., list[Batch]]
 """``produce(1, prompts=k)``: one launch of ``k`` prompts (``k`` groups) from the latest published weights.
@@ -33,24 +34,12 @@ class RolloutWorkerError(RuntimeError):
     """A rollout worker thread raised; ``__cause__`` is the worker's exception, with its traceback."""
 
 
-def validate_live(*, workers: int, chunk_prompts: int | None, max_staleness: int | None) -> list[str]:
-    """Every problem with the live-schedule options, named by their CLI flags."""
-    problems = []
-    if workers < 1:
-        problems.append(f"--data.workers={workers} must be >= 1")
-    if chunk_prompts is not None and chunk_prompts < 1:
-        problems.append(f"--data.chunk_prompts={chunk_prompts} must be >= 1 (or null for --data.batch_prompts)")
-    if max_staleness is not None and max_staleness < 0:
-        problems.append(f"--data.max_staleness={max_staleness} must be >= 0 (or null for no gate)")
-    return problems
-
-
-class LiveSchedule(_CountedSchedule):
+class Live(DelaySchedule):
     """Rollout workers generate while the learner trains; each update takes the next ``B`` completed groups.
 
+    Workers generate exactly ``total_updates * B`` groups (the plan, see :meth:`DelaySchedule.plan`).
+
     Args:
-        total_updates: Planned number of optimizer updates; workers generate exactly ``total_updates * B`` groups.
-        batch_prompts: ``B``, groups per update.
         workers: Worker threads. More than one helps only with an engine that serves concurrent requests
             (the HF engine generates one call at a time).
         chunk_prompts: Prompts per generation call (``None``: ``B``). A call never spans two updates, so with
@@ -64,18 +53,12 @@ class LiveSchedule(_CountedSchedule):
     """
 
     def __init__(
-        self, total_updates: int, batch_prompts: int, workers: int = 1, chunk_prompts: int | None = None,
-        max_staleness: int | None = None, join_timeout_s: float = 60.0,
+        self, workers: int = 1, chunk_prompts: int | None = None, max_staleness: int | None = None,
+        join_timeout_s: float = 60.0,
     ) -> None:  # fmt: skip
-        super().__init__(total_updates)
-        problems = validate_live(workers=workers, chunk_prompts=chunk_prompts, max_staleness=max_staleness)
-        if batch_prompts < 1:
-            problems.append(f"--data.batch_prompts={batch_prompts} must be >= 1")
-        if problems:
-            raise ValueError("; ".join(problems))
-        self.batch_prompts = batch_prompts
+        check_options("Live", self.option_problems(workers, chunk_prompts, max_staleness, join_timeout_s))
         self.workers = workers
-        self.chunk_prompts = chunk_prompts or batch_prompts
+        self.chunk_prompts = chunk_prompts
         self.max_staleness = max_staleness
         self.join_timeout_s = join_timeout_s
         self.claimed = 0  # groups handed to workers so far (generated or generating)
@@ -87,6 +70,27 @@ class LiveSchedule(_CountedSchedule):
         self._generating = 0  # calls in progress
         self._published = 0  # step of the learner's latest request: the engine holds at least this version
         self._error: tuple[str, BaseException] | None = None
+
+    @staticmethod
+    def option_problems(
+        workers: int, chunk_prompts: int | None, max_staleness: int | None, join_timeout_s: float
+    ) -> list[str]:
+        """Every problem with the options, named by their init args."""
+        problems = []
+        if workers < 1:
+            problems.append(f"workers={workers} must be >= 1")
+        if chunk_prompts is not None and chunk_prompts < 1:
+            problems.append(f"chunk_prompts={chunk_prompts} must be >= 1 (or null for --data.batch_prompts)")
+        if max_staleness is not None and max_staleness < 0:
+            problems.append(f"max_staleness={max_staleness} must be >= 0 (or null for no gate)")
+        if not join_timeout_s > 0:
+            problems.append(f"join_timeout_s={join_timeout_s} must be > 0")
+        return problems
+
+    @property
+    def chunk(self) -> int:
+        """Prompts per generation call (``chunk_prompts``, or ``B``)."""
+        return self.chunk_prompts or self.batch_prompts
 
     @property
     def needed_groups(self) -> int:
@@ -141,7 +145,7 @@ class LiveSchedule(_CountedSchedule):
             left = self.needed_groups - self.claimed
             if self._stopping or self._error is not None or left == 0:
                 return 0
-            size = min(self.chunk_prompts, left, b - self.claimed % b)  # never across an update boundary
+            size = min(self.chunk, left, b - self.claimed % b)  # never across an update boundary
             last_step = (self.claimed + size - 1) // b  # the update that will consume the chunk's last group
             gated = self.max_staleness is not None and last_step - self._published > self.max_staleness
             if not self._paused and not gated:
@@ -200,14 +204,12 @@ class LiveSchedule(_CountedSchedule):
     def state_dict(self) -> dict[str, Any]:
         """Counters and the completed-but-unconsumed groups; taken between generation calls."""
         with self.paused():
-            return {
-                "step": self.step, "total_updates": self.total_updates, "claimed": self.claimed,
-                "buffer": batch_state(list(self.buffer)),
-            }  # fmt: skip
+            return {**super().state_dict(), "claimed": self.claimed, "buffer": batch_state(list(self.buffer))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters and buffered groups saved by :meth:`state_dict`; workers must be stopped."""
         if self.running:
             raise RuntimeError("live: cannot load a state while rollout workers are running")
-        self.step, self.total_updates, self.claimed = state["step"], state["total_updates"], state["claimed"]
+        super().load_state_dict(state)
+        self.claimed = state["claimed"]
         self.buffer = deque(batch_from_state(state["buffer"]))

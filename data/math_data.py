@@ -1,10 +1,13 @@
 r"""The paper's training task: MATH (Hendrycks et al. 2021) with a two-shot ``\boxed{}`` prompt and math-verify rewards.
 
-All loading goes through the ``datasets`` library (``load_dataset("json", data_files=...)`` for a local
-file, the hub name otherwise), so users get its caching. Every row is checked: a missing field or one of
-the wrong type is an error naming the file and line. The reference answer of a training row is the last
-complete ``\boxed{...}`` of its ``solution`` by our own extractor (the file's precomputed ``answer`` is
-not trusted); rows without one are dropped and counted (on the shipped file: the 2 of 7,500 that write
+Data comes from a :class:`DataSource`: by default a hub dataset (:data:`MATH_TRAIN_SOURCE`), so a plain
+clone runs with no local files; a local JSON/JSONL file (such as ``../shared/data/math_train.jsonl``) or a
+dataset folder overrides it. All loading goes through the ``datasets`` library (``load_dataset("json",
+data_files=...)`` for a file, ``load_dataset(path, config, split=...)`` for a hub name or a folder), so
+users get its caching. Every row is checked: a missing field or one of the wrong type is an error naming
+the file and line (the row number on the hub). The reference answer of a training row is the last
+complete ``\boxed{...}`` of its ``solution`` by our own extractor (a precomputed ``answer`` is not
+trusted); rows without one are dropped and counted (on the shipped file: the 2 of 7,500 that write
 ``\boxed 2`` without braces, leaving the paper's 7,498). Two rows close an empty ``\boxed{}``: their answer
 is extractable (the empty string), so they are kept as the paper's count implies, and always score 0.
 The two worked examples of the prompt are training problems, removed from the training prompts.
@@ -14,18 +17,50 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit_gmc.data.answers import last_boxed
 
-if TYPE_CHECKING:  # tasks.py registers MathTask, so it imports this module; Prompt is imported where it is used
+if TYPE_CHECKING:  # Prompt is imported where it is used, so that loading data needs nothing from tasks.py
     from lit_gmc.data.tasks import Prompt
 
-DEFAULT_TRAIN_PATH = "../shared/data/math_train.jsonl"
-DEFAULT_TEST_PATH = "../shared/data/math500_test.jsonl"
 LOCAL_SUFFIXES = (".json", ".jsonl")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One split of a dataset and the names of the columns we read from it.
+
+    Attributes:
+        path: Hub dataset name, a local ``.json``/``.jsonl`` file, or a dataset folder ``load_dataset`` reads
+            (such as a snapshot of the hub repository).
+        columns: Our field name -> the source's column; a field not listed is read from the column of its name.
+        config: Hub config (subset); ``None`` takes the dataset's default. Ignored for a single file.
+        split: Split to read. Ignored for a single file, which holds one split.
+    """
+
+    path: str
+    columns: Mapping[str, str] = field(default_factory=dict)
+    config: str | None = None
+    split: str = "train"
+
+    def column(self, name: str) -> str:
+        """The source's column that holds our field ``name``."""
+        return self.columns.get(name, name)
+
+
+MATH_TRAIN_SOURCE = DataSource(
+    "DigitalLearningGmbH/MATH-lighteval", {"problem": "problem", "solution": "solution"}, "default", "train"
+)
+"""MATH train (7,500 rows) on the hub. Checked against the card of DigitalLearningGmbH/MATH-lighteval: config
+``default`` (all seven subjects; the other configs hold one subject each), splits ``train`` (7,500) and ``test``
+(5,000), columns ``problem``, ``level``, ``solution``, ``type``. Its row order is the hub's, not the local file's
+subject/number order, so problem ids (row indices) differ between the two; the problems are the same."""
+
+DEFAULT_TRAIN_PATH = MATH_TRAIN_SOURCE.path
+DEFAULT_TEST_PATH = "HuggingFaceH4/MATH-500"  # read with the MATH-500 hub spec of lit_gmc.data.benchmarks
 
 INSTRUCTION = (
     "Solve each math problem below. Think it through step by step, showing your reasoning, and write the "
@@ -75,10 +110,11 @@ def build_prompt(problem: str) -> str:
 
 
 def answer_region(completion: str) -> str:
-    """The part of a completion that answers the prompt's problem: everything before a new ``Problem:`` line.
+    """The part of a completion before a new ``Problem:`` line (used only with ``cut_at_next_problem``).
 
-    Why: a base model continuing a few-shot prompt often goes on to invent the next problem and box its
-    answer; that box is not the answer to the question asked, so the reward reads only the text before it.
+    Why it exists: a base model continuing a few-shot prompt often goes on to invent the next problem and box
+    its answer. The paper scores the last box of the whole completion regardless (so such a completion scores
+    by the invented answer); cutting here is our optional deviation, off by default.
     """
     cut = completion.find(f"\n{PROBLEM_MARK}")
     return completion if cut == -1 else completion[:cut]
@@ -117,9 +153,39 @@ def truncate_prompt(text: str, tokenizer: Any, max_tokens: int) -> str:
     return ""
 
 
-def is_local(source: str) -> bool:
-    """A path to a local JSON/JSONL file (existing, or named like one) rather than a hub dataset name."""
-    return Path(source).exists() or source.endswith(LOCAL_SUFFIXES)
+def is_file_source(path: str) -> bool:
+    """A local JSON/JSONL file (existing, or named like one), read with ``load_dataset("json")``."""
+    return Path(path).is_file() or path.endswith(LOCAL_SUFFIXES)
+
+
+def is_local(path: str) -> bool:
+    """A local file or folder (existing, or named like a JSON file) rather than a hub dataset name."""
+    return Path(path).exists() or path.endswith(LOCAL_SUFFIXES)
+
+
+def resolve_source(
+    source: str | DataSource | None,
+    hub: DataSource,
+    file_columns: Mapping[str, str] | None = None,
+    split: str | None = None,
+    config: str | None = None,
+) -> DataSource:
+    """The source to read, from what a user gave and the dataset's hub spec.
+
+    ``None`` is the hub spec itself. A local JSON/JSONL file is read with ``file_columns`` (default: the hub's
+    columns). Any other string, a hub name (a mirror) or a dataset folder (a snapshot of the hub repository),
+    takes the hub spec's config, split and columns. ``split`` and ``config``, when given, override the result's.
+    """
+    if source is None:
+        chosen = hub
+    elif isinstance(source, DataSource):
+        chosen = source
+    elif is_file_source(source):
+        chosen = DataSource(source, dict(hub.columns if file_columns is None else file_columns))
+    else:
+        chosen = replace(hub, path=source)
+    overrides = {"split": split, "config": config}
+    return replace(chosen, **{key: value for key, value in overrides.items() if value is not None})
 
 
 def _line_of_row(path: Path, row: int) -> int:
@@ -145,58 +211,74 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
     return None
 
 
-def load_records(
-    source: str, fields: Mapping[str, type | tuple[type, ...]], split: str = "train", config: str | None = None
-) -> list[dict[str, Any]]:
-    """Rows of a local JSON/JSONL file or a hub dataset, each checked to have ``fields`` of the given types.
+def _read_table(source: DataSource) -> Any:
+    """The source's split as a ``datasets.Dataset``: one JSON file, or a hub name or folder (the same call for both)."""
+    import datasets  # heavy; only needed when data is actually loaded
+
+    path = Path(source.path)
+    is_file = is_file_source(source.path)
+    # A hub name never starts with "/" or ".": such a path is a missing folder, not something to look up online.
+    if (is_file and not path.is_file()) or (source.path.startswith(("/", ".")) and not path.exists()):
+        raise FileNotFoundError(f"data not found: {source.path} (resolved to {path.resolve()})")
+    try:
+        if is_file:
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+        return datasets.load_dataset(source.path, source.config, split=source.split)
+    except ConnectionError as err:  # offline, or the hub is unreachable: say what works instead
+        hint = "without network access, pass a local JSON/JSONL file or a dataset folder"
+        raise ConnectionError(f"{err}; {hint}") from err
+    except datasets.exceptions.DatasetGenerationError as err:
+        bad = _first_bad_json_line(path) if is_file else None
+        if bad is not None:
+            raise ValueError(f"{source.path}:{bad[0]}: not valid JSON ({bad[1]})") from err
+        raise ValueError(f"{source.path}: could not be read as a dataset ({err.__cause__ or err})") from err
+
+
+def _field_label(source: DataSource, name: str) -> str:
+    column = source.column(name)
+    return f"field {name!r}" if column == name else f"field {name!r} (column {column!r})"
+
+
+def load_records(source: DataSource, fields: Mapping[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
+    """Rows of a source, keyed by our field names, each checked to have ``fields`` of the given types.
 
     Args:
-        source: Local ``.json``/``.jsonl`` path, or a hub dataset name.
-        fields: Required field -> accepted type(s). Other fields are dropped.
-        split: Split of a hub dataset (a local file is one split).
-        config: Config name of a hub dataset.
+        source: Where to read and which column holds each field.
+        fields: Required field -> accepted type(s). Other columns are dropped.
 
     Raises:
         FileNotFoundError: A local path that does not exist.
-        ValueError: Invalid JSON, a missing field or a field of the wrong type, naming the file and line.
+        ValueError: Invalid JSON, a missing column or field, or a field of the wrong type, naming the file and
+            line (the row number for a hub dataset or folder).
     """
-    import datasets  # heavy; only needed when data is actually loaded
-
-    local = is_local(source)
-    path = Path(source)
-    if local and not path.is_file():
-        raise FileNotFoundError(f"data file not found: {source} (resolved to {path.resolve()})")
-    try:
-        if local:
-            table = datasets.load_dataset("json", data_files=str(path), split="train")
-        else:
-            table = datasets.load_dataset(source, config, split=split)
-    except datasets.exceptions.DatasetGenerationError as err:
-        bad = _first_bad_json_line(path) if local else None
-        if bad is not None:
-            raise ValueError(f"{source}:{bad[0]}: not valid JSON ({bad[1]})") from err
-        raise ValueError(f"{source}: could not be read as a dataset ({err.__cause__ or err})") from err
-    missing = [name for name in fields if name not in table.column_names]
+    table = _read_table(source)
+    columns = {name: source.column(name) for name in fields}
+    missing = [f"{column!r}" for column in columns.values() if column not in table.column_names]
     if missing:
-        raise ValueError(f"{source}: no field {', '.join(map(repr, missing))} in any row (has {table.column_names})")
-    rows = table.select_columns(list(fields)).to_list()
+        raise ValueError(f"{source.path}: no column {', '.join(missing)} in any row (has {table.column_names})")
+    rows = table.select_columns(list(dict.fromkeys(columns.values()))).to_list()
+    out = []
     for index, row in enumerate(rows):
+        record = {name: row[column] for name, column in columns.items()}
         for name, kind in fields.items():
-            value = row[name]
+            value = record[name]
             if value is None:
-                raise ValueError(f"{row_location(source, index, split)}: missing field {name!r}")
+                raise ValueError(f"{row_location(source, index)}: missing {_field_label(source, name)}")
             if not isinstance(value, kind) or isinstance(value, bool):
                 expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
                 got = type(value).__name__
-                raise ValueError(f"{row_location(source, index, split)}: field {name!r} must be {expected}, got {got}")
-    return rows
+                label = _field_label(source, name)
+                raise ValueError(f"{row_location(source, index)}: {label} must be {expected}, got {got}")
+        out.append(record)
+    return out
 
 
-def row_location(source: str, index: int, split: str = "train") -> str:
-    """Where row ``index`` of a source is, for error messages: ``file:line`` locally, the row number on the hub."""
-    if is_local(source):
-        return f"{source}:{_line_of_row(Path(source), index)}"
-    return f"{source} (split {split!r}) row {index}"
+def row_location(source: DataSource, index: int) -> str:
+    """Where row ``index`` of a source is, for error messages: ``file:line`` for a file, else the row number."""
+    if is_file_source(source.path):
+        return f"{source.path}:{_line_of_row(Path(source.path), index)}"
+    config = f"config {source.config!r}, " if source.config else ""
+    return f"{source.path} ({config}split {source.split!r}) row {index}"
 
 
 @dataclass(frozen=True)
@@ -230,9 +312,19 @@ class MathTrainSet:
         return self.rows - len(self.no_answer)
 
 
-def load_math_train(source: str = DEFAULT_TRAIN_PATH, split: str = "train", config: str | None = None) -> MathTrainSet:
-    """Load MATH training problems with references extracted from ``solution`` (see the module docstring)."""
-    rows = load_records(source, {"problem": str, "solution": str}, split=split, config=config)
+def load_math_train(
+    source: str | DataSource | None = None, split: str | None = None, config: str | None = None
+) -> MathTrainSet:
+    """Load MATH training problems with references extracted from ``solution`` (see the module docstring).
+
+    Args:
+        source: ``None`` for :data:`MATH_TRAIN_SOURCE` (the hub); a local JSON/JSONL file with ``problem`` and
+            ``solution``; a hub name or dataset folder, read with the hub spec's config, split and columns.
+        split: Overrides the source's split.
+        config: Overrides the source's config.
+    """
+    chosen = resolve_source(source, MATH_TRAIN_SOURCE, split=split, config=config)
+    rows = load_records(chosen, {"problem": str, "solution": str})
     shots = {ex.problem.strip() for ex in WORKED_EXAMPLES}
     kept, no_answer, held_out = [], [], []
     for index, row in enumerate(rows):
@@ -272,21 +364,26 @@ def make_prompts(
 
 
 class MathScorer:
-    """The reward of this prompt format: the answer region of a completion, its last box, math-verify.
+    r"""The paper's reward: the last complete ``\boxed{}`` of a completion, checked by math-verify.
 
     Args:
         num_workers: Verifier processes.
         timeout_s: Wall-clock bound on checking one completion; a slower check scores 0.
+        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line
+            (:func:`answer_region`), a deviation from the paper, which scores the whole completion.
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0) -> None:
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, cut_at_next_problem: bool = False) -> None:
         from lit_gmc.data.rewards import MathVerifier
 
         self.verifier = MathVerifier(num_workers=num_workers, timeout_s=timeout_s)
+        self.cut_at_next_problem = cut_at_next_problem
 
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """Rewards of ``(completion, reference)`` pairs."""
-        return self.verifier.score_pairs([(answer_region(c), reference) for c, reference in pairs])
+        if self.cut_at_next_problem:
+            pairs = [(answer_region(completion), reference) for completion, reference in pairs]
+        return self.verifier.score_pairs(pairs)
 
     def score(self, completions: Sequence[str], answer: str) -> list[float]:
         """Rewards of several completions of one problem."""
@@ -295,62 +392,3 @@ class MathScorer:
     def close(self) -> None:
         """Stop the verifier's worker processes."""
         self.verifier.close()
-
-
-class MathTask:
-    """MATH training prompts (two-shot), MATH-500 as held-out prompts, and the math-verify reward.
-
-    Args:
-        path: MATH training data: a local JSONL file or a hub dataset name with ``problem`` and ``solution``.
-        test_path: Held-out prompts (MATH-500 file or hub name), loaded on first use.
-        max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning.
-            ``None`` keeps prompts whole.
-        tokenizer: Tokenizer (or actor name) that counts prompt tokens; the DataModule passes its actor.
-        split: Split of a hub training dataset.
-        config: Config of a hub training dataset.
-        verifier_workers: Processes that run math-verify.
-        verify_timeout_s: Wall-clock bound on checking one response; a slower check scores 0.
-    """
-
-    name = "math"
-
-    def __init__(
-        self,
-        path: str = DEFAULT_TRAIN_PATH,
-        test_path: str | None = DEFAULT_TEST_PATH,
-        max_prompt_tokens: int | None = None,
-        tokenizer: Any = None,
-        split: str = "train",
-        config: str | None = None,
-        verifier_workers: int = 2,
-        verify_timeout_s: float = 10.0,
-    ) -> None:
-        self.tokenizer = load_tokenizer(tokenizer) if max_prompt_tokens is not None else None
-        self.max_prompt_tokens = max_prompt_tokens
-        self.test_path = test_path
-        self.data = load_math_train(path, split=split, config=config)
-        triples = [(p.id, p.problem, p.answer) for p in self.data.problems]
-        self._train = make_prompts(triples, self.tokenizer, max_prompt_tokens)
-        self._test: list[Prompt] | None = None
-        self.scorer = MathScorer(num_workers=verifier_workers, timeout_s=verify_timeout_s)
-
-    def train_prompts(self) -> Sequence[Prompt]:
-        """Two-shot prompts of the kept training rows, in file order."""
-        return self._train
-
-    def test_prompts(self) -> Sequence[Prompt]:
-        """MATH-500 prompts (same template and truncation), loaded on first call; empty without ``test_path``."""
-        if self._test is None:
-            from lit_gmc.data.benchmarks import load_benchmark
-
-            if self.test_path is None:
-                self._test = []
-            else:
-                items = load_benchmark("math500", source=self.test_path).items
-                triples = [(i, item.problem, item.answer) for i, item in enumerate(items)]
-                self._test = make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
-        return self._test
-
-    def score(self, completions: Sequence[str], answer: str) -> list[float]:
-        """1.0 per completion whose answer is equivalent to ``answer`` under math-verify, else 0.0."""
-        return self.scorer.score(completions, answer)

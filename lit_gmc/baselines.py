@@ -8,7 +8,7 @@ log-probs, the projection coefficient) is written as small functions here, teste
 
 What ``--model.eps`` means for each rule (registry default in brackets):
 - ``vcpo``: the truncation ``c`` of the sequence ratio [8];
-- ``gac``, ``a3po``: the two-sided PPO clip [0.2];
+- ``gac``, ``a3po``, ``a3po_capped``: the two-sided PPO clip [0.2];
 - ``cispo``: ``eps_high``; the token ratio is capped at ``1 + eps`` [0.28];
 - ``tis``: the cap ``C`` of the token ratio [2].
 
@@ -18,6 +18,12 @@ Where this code fills gaps the sources leave:
   GRPO only by its correction (A-3PO is then exactly GRPO whenever ``tau <= 1``).
 - TIS is written in its policy-gradient form with the current policy as the trainer side, because the
   learner has no separate recompute of the behaviour version to put in a PPO ratio.
+
+A-3PO has two registry entries rather than one rule with an option: ``a3po`` is the rule as the seed paper
+states it (outer factor ``pi_prox / pi_b`` unclipped) and ``a3po_capped`` adds AReaL's masking of tokens whose
+factor exceeds 5. A rule sees only ``(terms, eps)``; a second name keeps that shape, so no rule-specific
+argument has to be threaded through ``GMCModule``, the CLI and the sweep script, and ``--model.correction``
+already validates and documents the choice.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, grpo,
 
 MIN_REWARD_STD = 1e-8  # below this a group's rewards tie, and VCPO/CISPO skip the std division
 GAC_LOW, GAC_HIGH = 0.05, 0.30  # cosine thresholds of GAC (Xu et al. 2026)
-A3PO_BEHAVIOR_CAP = 5.0  # tokens with pi_prox / pi_behaviour above this are left out of A-3PO's loss
+A3PO_BEHAVIOR_CAP = 5.0  # a3po_capped leaves out tokens with pi_prox / pi_behaviour above this (AReaL's default)
 
 
 def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: int) -> Tensor:
@@ -264,35 +270,73 @@ def loglinear_proximal_logprobs(token_logprobs: Tensor, behavior_logprobs: Tenso
     return a * behavior_logprobs + (1.0 - a) * token_logprobs.detach()  # (n, L)
 
 
-def a3po(terms: PolicyTerms, eps: float) -> CorrectionOutput:
-    """A-3PO (Li et al. 2025; AReaL's decoupled PPO loss with the ``loglinear`` proximal policy).
+def a3po_behavior_weight(log_weight: Tensor, mask: Tensor, cap: float | None) -> tuple[Tensor, Tensor]:
+    """A-3PO's outer factor ``pi_prox / pi_b`` per token, unclipped (``cap=None``) or AReaL-masked.
 
-    Per token, ``r = exp(log pi_theta - log pi_prox)`` with :func:`loglinear_proximal_logprobs` and
-    ``alpha = 1 / max(1, tau)`` (``tau`` the group's delay), and
-    ``loss_t = -sg(pi_prox / pi_b) min(r A, clip(r, 1 - eps, 1 + eps) A)``; tokens with
-    ``pi_prox / pi_b > 5`` are left out (zero loss, still counted). Group-centred advantages; the registry
-    aggregates ``token_mean`` (token sum over the batch's count of real tokens).
+    ``log_weight`` is ``log pi_prox - l`` (detached). Unclipped, as the seed paper states A-3PO, the factor is
+    ``exp(log_weight)``; its log is clamped at 80 only so that float32 cannot overflow to ``inf`` (``inf * 0``
+    would turn a zero-advantage token into NaN), a bound of ``e^80 ~ 5.5e34`` that no cap would choose. With
+    ``cap`` set, tokens whose factor exceeds it get weight 0 (AReaL's ``behav_imp_weight_cap``: masked, not
+    clamped to the cap). Padding gets 0 either way.
+
+    Returns:
+        The ``(n, L)`` weights and the ``(n, L)`` mask of the real tokens kept.
     """
+    if log_weight.shape != mask.shape or log_weight.dim() != 2:
+        raise ValueError(f"log_weight must be (n, L) like mask, got {tuple(log_weight.shape)} and {tuple(mask.shape)}")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"the behaviour-weight cap must be > 0, got {cap}")
+    kept = mask if cap is None else mask & (log_weight <= math.log(cap))  # (n, L)
+    weight = torch.exp(log_weight.clamp(max=80.0)).masked_fill(~kept, 0.0)  # (n, L)
+    return weight, kept
+
+
+def _a3po_rule(terms: PolicyTerms, eps: float, cap: float | None) -> CorrectionOutput:
     mask = terms.mask
     alpha = a3po_alpha(terms.delays)  # (n,)
     log_prox = loglinear_proximal_logprobs(terms.token_logprobs, terms.behavior_logprobs, alpha)  # (n, L)
-    log_behavior_weight = (log_prox - terms.behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L), detached
-    cap = math.log(A3PO_BEHAVIOR_CAP)
-    kept = mask & (log_behavior_weight <= cap)  # (n, L)
-    weight = torch.exp(log_behavior_weight.clamp(max=cap)) * kept  # (n, L) in [0, 5]
+    log_weight = (log_prox - terms.behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L), detached
+    weight, kept = a3po_behavior_weight(log_weight, mask, cap)  # (n, L), (n, L)
     adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
     loss = weight * O.ppo_clip_token_loss(terms.token_logprobs, log_prox, mask, adv, eps)  # (n, L)
     log_r = (terms.token_logprobs.detach() - log_prox).masked_fill(~mask, 0.0)  # (n, L)
     floor = math.log1p(-eps) if eps < 1 else -math.inf  # a clip of 1 or more has no lower side
     clipped = ((log_r < floor) | (log_r > math.log1p(eps))) & kept  # (n, L)
+    over_cap = mask & (log_weight > math.log(A3PO_BEHAVIOR_CAP))  # (n, L), kept by a3po, masked by a3po_capped
     tokens = mask.sum().clamp(min=1)
     log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, mask).detach()  # (n,)
     extra = {
-        "a3po/masked_fraction": (mask & ~kept).sum() / tokens,
+        "a3po/over_cap_fraction": over_cap.sum() / tokens,
         "a3po/clip_fraction": clipped.sum() / tokens,
         "a3po/alpha_mean": alpha.mean(),
     }
     return CorrectionOutput(loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), extra)
+
+
+def a3po(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """A-3PO (Li et al. 2025) as the seed paper states it: the outer factor ``pi_prox / pi_b`` is NOT clipped.
+
+    Per token, ``log pi_prox = alpha l + (1 - alpha) sg(log pi_theta)`` (:func:`loglinear_proximal_logprobs`)
+    with ``alpha = 1 / max(1, tau)`` (``tau`` the group's delay), ``r = exp(log pi_theta - log pi_prox)`` and
+
+        ``loss_t = -sg(pi_prox / pi_b) min(r A, clip(r, 1 - eps, 1 + eps) A)``.
+
+    Its gradient on an unclipped token is ``-(pi_theta / pi_b) A grad log pi_theta``: the full, unbounded
+    token ratio, the factor the seed paper blames for A-3PO's collapse at 8B. Group-centred advantages; the
+    registry aggregates ``token_mean`` (token sum over the batch's count of real tokens). Logs
+    ``a3po/over_cap_fraction``, the share of real tokens with ``pi_prox / pi_b > 5`` (kept here; see
+    :func:`a3po_capped`).
+    """
+    return _a3po_rule(terms, eps, cap=None)
+
+
+def a3po_capped(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """A-3PO with AReaL's safeguard: :func:`a3po`, except tokens with ``pi_prox / pi_b > 5`` are left out.
+
+    As AReaL's decoupled PPO loss with ``behav_imp_weight_cap=5``: such a token's loss is 0 (no gradient) but it
+    still counts in the ``token_mean`` denominator. ``a3po/over_cap_fraction`` is then the masked share.
+    """
+    return _a3po_rule(terms, eps, cap=A3PO_BEHAVIOR_CAP)
 
 
 def truncated_token_ratio_loss(
@@ -342,5 +386,6 @@ def tis(terms: PolicyTerms, eps: float) -> CorrectionOutput:
 register("vcpo", Correction(vcpo, 8.0, "seq_mean_token_mean", step_rule=ESSStepSize, needs_grad_norms=True))
 register("gac", Correction(gac, 0.2, "seq_mean_token_mean", step_rule=GradientProjection))
 register("a3po", Correction(a3po, 0.2, "token_mean"))
+register("a3po_capped", Correction(a3po_capped, 0.2, "token_mean"))
 register("cispo", Correction(cispo, 0.28, "token_mean"))
 register("tis", Correction(tis, 2.0, "token_mean"))

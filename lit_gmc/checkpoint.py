@@ -40,11 +40,29 @@ warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual opt
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose ``last.ckpt`` is also written when training ends between two periodic saves.
+    """``ModelCheckpoint`` that also saves at listed steps, and writes ``last.ckpt`` when training ends.
 
     Lightning's own writes ``last.ckpt`` at the end only if it never wrote one, so with ``every_n_train_steps``
-    the final updates of a run would exist in no checkpoint.
+    the final updates of a run would exist in no checkpoint. ``at_steps`` gives the paper's checkpoints
+    (200/300/400/800), which no single period produces.
+
+    Args:
+        at_steps: Optimizer steps at which to save, besides every ``every_n_train_steps``; ``null``: none.
+        **kwargs: ``ModelCheckpoint``'s own arguments (``dirpath``, ``every_n_train_steps``, ``save_last``, ...).
     """
+
+    def __init__(self, *args: Any, at_steps: list[int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.at_steps = frozenset(at_steps or ())
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        step = trainer.global_step
+        if step in self.at_steps and self._last_global_step_saved != step and not trainer.sanity_checking:
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

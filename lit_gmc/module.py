@@ -17,12 +17,13 @@ from typing_extensions import override
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
-from lit_gmc.callbacks.diagnostics import zero_variance_fraction
 from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
 from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
 
-CAPPED_RULES = ("gmc", "tic")  # rules whose eps is the 1 + eps cap of the estimator class (eq. 5), as in Corollary 1
+# Rules whose eps Corollary 1's rate is derived for: GMC's group-mass cap. TIC also has a 1 + eps cap, but it removes
+# the mass of trajectories with rho > 1 + eps, a different bias term with no derived rate (see lit_gmc.eps_schedules).
+CAPPED_RULES = ("gmc",)
 AGGREGATIONS = ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -38,9 +39,15 @@ def validate_model_args(
     if correction not in CORRECTIONS:
         problems.append(f"--model.correction={correction!r} is not one of {', '.join(CORRECTIONS)}")
     elif eps_schedule == "corollary1" and correction not in CAPPED_RULES:
+        why = (
+            "TIC removes the mass of trajectories with rho > 1 + eps, a different bias term with no derived rate"
+            if correction == "tic"
+            else "its eps is not that cap (it means something else)"
+        )
         problems.append(
-            f"--model.eps_schedule=corollary1 sets a 1 + eps cap, which --model.correction={correction!r} does not "
-            f"have (its eps means something else); use it with {' or '.join(CAPPED_RULES)}"
+            f"--model.eps_schedule=corollary1 is Corollary 1's rate, derived for GMC's group-mass cap, and cannot set "
+            f"the eps of --model.correction={correction!r}: {why}; use it with --model.correction="
+            f"{' or '.join(CAPPED_RULES)}, or keep --model.eps_schedule=constant"
         )
     if eps is not None and not eps > 0:
         problems.append(f"--model.eps={eps} must be > 0")
@@ -77,15 +84,18 @@ class GMCModule(pl.LightningModule):
     Args:
         actor: ``"tiny"`` (built in code), a transformers hub name, or a local path.
         correction: Off-policy rule from the registry: ``gmc``, ``tic``, ``grpo``, ``is``, ``vcpo``, ``gac``,
-            ``a3po``, ``cispo``, ``tis`` (and any registered).
-        eps: Threshold: the ``1 + eps`` cap for GMC/TIC, the PPO clip for GRPO/GAC/A-3PO, the truncation ``c``
-            for VCPO, ``eps_high`` (cap ``1 + eps``) for CISPO, the cap ``C`` for TIS; ``null`` takes the rule's
-            default (0.28 for GMC/TIC/CISPO, 0.2 for GRPO/GAC/A-3PO, 8 for VCPO, 2 for TIS).
+            ``a3po``, ``a3po_capped``, ``cispo``, ``tis`` (and any registered). ``a3po`` is A-3PO as the seed
+            paper states it (outer factor ``pi_prox / pi_b`` unclipped); ``a3po_capped`` adds AReaL's masking of
+            tokens with ``pi_prox / pi_b > 5``.
+        eps: Threshold: the ``1 + eps`` cap for GMC/TIC, the PPO clip for GRPO/GAC/A-3PO (both entries), the
+            truncation ``c`` for VCPO, ``eps_high`` (cap ``1 + eps``) for CISPO, the cap ``C`` for TIS; ``null``
+            takes the rule's default (0.28 for GMC/TIC/CISPO, 0.2 for GRPO/GAC/A-3PO, 8 for VCPO, 2 for TIS).
         aggregation: ``seq_sum_over_T`` (the paper's 1/(T B G)), ``token_mean`` or ``seq_mean_token_mean``;
             ``null`` takes the rule's default.
         eps_schedule: ``constant`` (``eps`` at every update) or ``corollary1``: ``eps_n = clip(eps_scale *
             tau_bar_4^(1/7) * N^(-3/14), eps_min, eps_max)`` from the running fourth delay moment and
             ``N = --trainer.max_steps`` (Corollary 1; ``eps`` is then unused). Logged as ``correction/eps``.
+            The rate is derived for GMC's group-mass cap, so ``corollary1`` needs ``--model.correction=gmc``.
         eps_scale: ``c`` of ``corollary1``; 0.375 gives the paper's 0.28 at the tiny default (delay 8, 1,000 updates).
         eps_min: Lower clip of ``corollary1`` (on-policy data would otherwise get ``eps = 0``).
         eps_max: Upper clip of ``corollary1``.
@@ -261,8 +271,6 @@ class GMCModule(pl.LightningModule):
             "coefficients": coefficients,
             "advantages": torch.cat([o.advantages for o in outputs]),
             "log_rho_bar": log_rho_bar,
-            "gmc_rescaled": log_rho_bar > math.log1p(self.eps),  # (B,)
-            "tic_dropped": log_rho > math.log1p(self.eps),  # (N,)
             "removed_mass": O.removed_mass(log_rho, coefficients, g),  # (B,)
             "ess": O.group_ess(log_rho, g),  # (B,)
             "rewards": batch.rewards,
@@ -297,17 +305,7 @@ class GMCModule(pl.LightningModule):
             "train/grad_norm": grad_norm,
             "delay/mean": delays.mean(),
             "delay/max": delays.max(),
-            "ratio/log_rho_mean": stats["log_rho"].mean(),
-            "ratio/log_rho_max": stats["log_rho"].max(),
-            "ratio/log_rho_min": stats["log_rho"].min(),
-            "ratio/ess_mean": stats["ess"].mean(),
-            "gmc/rescaled_fraction": stats["gmc_rescaled"].float().mean(),
-            "tic/dropped_fraction": stats["tic_dropped"].float().mean(),
-            "correction/removed_mass": stats["removed_mass"].mean(),
-            "train/response_length": stats["response_lengths"].float().mean(),
-            "train/entropy": stats["entropy"].mean() if stats["entropy"].numel() else torch.tensor(0.0),
-            "train/zero_variance_groups": torch.tensor(zero_variance_fraction(rewards, batch.group_size)),
-        }
+        }  # distributions of ratios, lengths, entropy and the corrections' effect: the Diagnostics callback
         scalars.update({k: v for k, v in stats.items() if v.dim() == 0 and "/" in k})
         scalars.update({f"schedule/{k}": torch.tensor(v) for k, v in batch.info.items()})
         scalars.update({k: torch.tensor(v) for k, v in extra.items()})

@@ -175,3 +175,9 @@ def token_entropy_from_logits(logits: Tensor) -> Tensor:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     log_z = torch.logsumexp(logits, dim=-1)  # (...)
     return log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (...)
+
+
+def zero_variance_fraction(rewards: Tensor, group_size: int) -> float:
+    """Fraction of groups whose rewards all tie (their advantages are all 0: no learning signal)."""
+    grouped = rewards.detach().view(-1, group_size)  # (B, G)
+    return float((grouped == grouped[:, :1]).all(-1).float().mean())

@@ -1,10 +1,10 @@
-"""Pipeline benchmark: optimizer steps per second of ``sync`` vs ``live`` on the tiny model.
+"""Pipeline benchmark: optimizer steps per second of ``Sync`` vs ``Live`` on the tiny model.
 
-``sync`` (K = 1) generates a batch, then learns on it: a step costs generation + learning. ``live`` runs a rollout
+``Sync`` (K = 1) generates a batch, then learns on it: a step costs generation + learning. ``Live`` runs a rollout
 worker thread beside the learner, so a step costs about max(generation, learning). The overlap ratio
 live/sync is therefore at most 2, reached when the two costs are equal; the script first balances them, without
-changing what is computed, by how the work is split: rows per ``generate`` call (``--data.engine_options
-{batch_rows: n}``: fewer rows, more calls, slower generation) or groups per forward/backward pass
+changing what is computed, by how the work is split: rows per ``generate`` call (``--data.engine.batch_rows
+n``: fewer rows, more calls, slower generation) or groups per forward/backward pass
 (``--model.micro_batch_groups``: fewer groups, more passes, slower learning). It then measures both schedules
 with the most balanced split.
 
@@ -26,6 +26,10 @@ import torch
 
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.data.datamodule import RolloutDataModule
+from lit_gmc.data.engines import HFEngine
+from lit_gmc.data.live import Live
+from lit_gmc.data.schedules import Sync
+from lit_gmc.data.tasks import Addition
 from lit_gmc.module import GMCModule
 
 
@@ -54,7 +58,8 @@ def run(schedule: str, steps: int, skip: int, split: tuple[int, int], seed: int)
     """Train ``steps`` updates; figures over the steps after the first ``skip`` (start-up excluded)."""
     pl.seed_everything(seed, verbose=False)
     groups, rows = split
-    data = RolloutDataModule(schedule=schedule, total_updates=steps, seed=seed, engine_options={"batch_rows": rows})
+    chosen = Sync() if schedule == "sync" else Live()
+    data = RolloutDataModule(Addition(), HFEngine(batch_rows=rows), chosen, total_updates=steps, seed=seed)
     model = GMCModule(micro_batch_groups=groups, max_response_length=data.hparams.max_new_tokens)
     timer = StepTimer()
     trainer = pl.Trainer(

@@ -22,7 +22,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lit_gmc.actor import build_char_tokenizer, ensure_tiny_actor, load_actor
 from lit_gmc.data.engines import HFEngine, SamplingParams
-from lit_gmc.data.tasks import AdditionTask, Prompt
+from lit_gmc.data.tasks import Addition, Prompt
 
 
 def mid_model(tokenizer, vocab: int, hidden: int, layers: int) -> Qwen3ForCausalLM:
@@ -39,7 +39,7 @@ def mid_model(tokenizer, vocab: int, hidden: int, layers: int) -> Qwen3ForCausal
 def actors(names: list[str], workdir: Path, args) -> dict[str, tuple[str, object, object, list[Prompt], int]]:
     """name -> (folder, HF model, tokenizer, prompts, max_new_tokens)."""
     out = {}
-    train = list(AdditionTask().train_prompts())
+    train = list(Addition().train_prompts())
     if "tiny" in names:
         path = str(ensure_tiny_actor())
         model, tokenizer = load_actor(path)
@@ -67,10 +67,12 @@ def timed(fn, repeats: int, warm_up=None) -> tuple[float, object]:
 
 def build_engine(kind: str, path: str, model, tokenizer):
     if kind == "hf":
-        return HFEngine(model, tokenizer)
-    from lit_gmc.data.vllm_engine import VLLMEngine, VLLMOptions
+        return HFEngine.from_model(model, tokenizer)
+    from lit_gmc.data.vllm_engine import VLLMEngine
 
-    return VLLMEngine(path, tokenizer, VLLMOptions(layout="colocated" if kind == "vllm" else "dedicated"))
+    engine = VLLMEngine(layout="colocated" if kind == "vllm" else "dedicated")
+    engine.start(path, tokenizer=tokenizer)
+    return engine
 
 
 def bench(kind: str, name: str, actor, args) -> dict[str, float]:

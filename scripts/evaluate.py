@@ -6,6 +6,9 @@ paper's Table 1 layout, "greedy / avg@n" in percent per benchmark. Examples::
     python scripts/evaluate.py --ckpt runs/tiny/version_0/checkpoints/last.ckpt --benchmarks amc23 gsm8k \
         --max-new-tokens 6 --max-prompt-tokens 58 --samples 2 --limit 8 --output eval.json
     python scripts/evaluate.py --actor Qwen/Qwen3-1.7B-Base --device cuda --output base.json
+
+Benchmarks are read from their hub datasets by default; ``--data-dir ../shared/data`` reads the local copies
+instead, and ``--source NAME=PATH`` overrides one benchmark (a JSONL file, a dataset folder or a hub name).
 """
 
 from __future__ import annotations
@@ -32,7 +35,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--ckpt", help="Lightning checkpoint of a GMCModule (the actor is read from its state_dict)")
     source.add_argument("--actor", help='"tiny", a hub name or a local path of a causal LM, evaluated as is')
     parser.add_argument("--benchmarks", nargs="+", default=list(PAPER_BENCHMARKS), choices=list(BENCHMARKS))
-    parser.add_argument("--data-dir", default="../shared/data", help="folder of the benchmark JSONL files")
+    parser.add_argument("--data-dir", default=None, help="folder of local benchmark copies (default: the hub)")
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one benchmark's source: a JSONL file, a dataset folder or a hub name (repeatable)",
+    )
+    parser.add_argument(
+        "--cut-at-next-problem",
+        action="store_true",
+        help="score only the text before an invented next 'Problem:' (the paper scores it all)",
+    )
     parser.add_argument("--samples", type=int, default=None, help="samples per problem (default: the paper's n)")
     parser.add_argument("--ks", type=int, nargs="+", default=list(PAPER_KS), help="pass@k sizes")
     parser.add_argument("--max-new-tokens", type=int, default=4096)
@@ -47,9 +62,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positive = ("samples", "limit", "max_new_tokens", "batch_rows")
     problems = [f"--{name.replace('_', '-')} must be >= 1" for name in positive
                 if getattr(args, name) is not None and getattr(args, name) < 1]  # fmt: skip
+    try:
+        args.sources = parse_sources(args.source)
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+def parse_sources(pairs: list[str]) -> dict[str, str]:
+    """``["amc23=path", ...]`` as ``{"amc23": "path"}``; raises ``ValueError`` for a bad pair or an unknown name."""
+    sources = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not path or name not in BENCHMARKS:
+            raise ValueError(f"--source {pair!r} must be NAME=PATH with NAME one of {', '.join(BENCHMARKS)}")
+        sources[name] = path
+    return sources
 
 
 def load_policy(ckpt: str | None, actor: str | None) -> tuple[torch.nn.Module, Any, str]:
@@ -87,23 +117,26 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     model, tokenizer, actor = load_policy(args.ckpt, args.actor)
-    engine = HFEngine(model.to(args.device), tokenizer, batch_rows=args.batch_rows)
+    # from_model samples with a copy: make it on the CPU and move only the copy, so the device holds one model.
+    engine = HFEngine.from_model(model, tokenizer, batch_rows=args.batch_rows)
+    del model
+    engine.model.to(args.device)
     max_prompt = args.max_prompt_tokens or None
     suites = []
     for name in args.benchmarks:
-        bench = load_benchmark(name, data_dir=args.data_dir)
+        bench = load_benchmark(name, source=args.sources.get(name), data_dir=args.data_dir)
         items = bench.items[: args.limit]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
         n = args.samples or bench.samples
         suites.append(Suite(name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n)))
-    scorer = MathScorer(num_workers=args.verifier_workers)
+    scorer = MathScorer(num_workers=args.verifier_workers, cut_at_next_problem=args.cut_at_next_problem)
     start = time.perf_counter()
     try:
         results = evaluate_suites(engine, tokenizer, scorer, suites, args.max_new_tokens, args.seed)
     finally:
         scorer.close()
         engine.close()
-    settings = {k: v for k, v in vars(args).items() if k not in ("output",)}
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "source")}
     report = {"actor": actor, "settings": settings, "seconds": round(time.perf_counter() - start, 2), **results}
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(table(results))

@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 
 EVAL_SUITE = "heldout"
-GRID_KEYS = ("model.correction", "data.delay", "data.group_size", "data.seed", "trainer.max_steps",
-             "model.eps_schedule", "data.schedule")  # fmt: skip
+GRID_KEYS = ("model.correction", "data.schedule", "data.group_size", "data.seed", "trainer.max_steps",
+             "model.eps_schedule", "checkpoint")  # fmt: skip
 """Config keys the grid sets itself (with ``seed_everything``, which ``--set`` cannot name); ``--set`` may not
 override them, or the run names would lie."""
 
@@ -89,6 +89,23 @@ def parse_override(item: str) -> tuple[str, Any]:
         return key, yaml.safe_load(value)
 
 
+def suite_schedule(delay: int) -> dict[str, Any]:
+    """The schedule of the paper's fixed-delay suite at ``D = delay``: a FIFO of D batches, except D = 0, which is
+    the paper's synchronous protocol (Algorithm 1 with 4 inner steps: 256 responses per generation round)."""
+    if delay == 0:
+        return {"class_path": "lit_gmc.data.schedules.Sync", "init_args": {"inner_steps": 4}}
+    return {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": delay}}
+
+
+def build_component(spec: dict[str, Any] | None, default: str) -> Any:
+    """The object a config's ``class_path`` + ``init_args`` entry names (``default`` class when absent)."""
+    import importlib
+
+    spec = spec or {"class_path": default}
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+
+
 def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     """The run's config, layered over the embedded default (its ``callbacks`` list replaces the default's)."""
     config: dict[str, Any] = {
@@ -103,14 +120,13 @@ def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 {"class_path": "lit_gmc.callbacks.delays.DelayAccounting"},
                 {"class_path": "lit_gmc.callbacks.diagnostics.Diagnostics",
                  "init_args": {"histogram_every_n_steps": 25}},
-                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                 "init_args": {"dirpath": str(run_dir / "checkpoints"), "every_n_train_steps": spec.checkpoint_every,
-                               "save_last": True, "save_top_k": -1}},
             ],
         },
+        "checkpoint": {"dirpath": str(run_dir / "checkpoints"), "every_n_train_steps": spec.checkpoint_every,
+                       "save_last": True, "save_top_k": -1},
         # eps and aggregation null: each rule runs with its own defaults (GRPO: clip 0.2, seq-mean-token-mean).
         "model": {"correction": spec.method, "eps": None, "aggregation": None, "eps_schedule": spec.eps_schedule},
-        "data": {"schedule": "fixed_delay", "delay": spec.delay, "group_size": spec.group_size, "seed": spec.seed},
+        "data": {"schedule": suite_schedule(spec.delay), "group_size": spec.group_size, "seed": spec.seed},
     }  # fmt: skip
     for key, value in spec.overrides.items():
         section, *path = key.split(".")
@@ -265,13 +281,13 @@ def evaluate_run(
     from lit_gmc.actor import load_actor
     from lit_gmc.callbacks.evaluation import Suite, evaluate_suites
     from lit_gmc.data.engines import HFEngine
-    from lit_gmc.data.tasks import TASKS
 
     config = json.loads((run_dir / "config.json").read_text())
-    task_name = config.get("data", {}).get("task", "addition")
+    task_spec = config.get("data", {}).get("task")
+    task_name = (task_spec or {}).get("class_path", "Addition").rpartition(".")[2]
     actor = config.get("model", {}).get("actor", "tiny")
     max_new_tokens = config.get("data", {}).get("max_new_tokens", 6)
-    task = TASKS[task_name]()
+    task = build_component(task_spec, "lit_gmc.data.tasks.Addition")
     ks = tuple(k for k in (1, 2, 4, 8, 16) if k <= samples)
     prompts = list(task.test_prompts())[:limit]
     suite = Suite(EVAL_SUITE, f"{task_name} (held-out)", prompts, samples, ks)
@@ -294,7 +310,7 @@ def evaluate_run(
         if ckpt is not None:
             state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
             model.load_state_dict({k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")})
-        engine = HFEngine(model, tokenizer)
+        engine = HFEngine.from_model(model, tokenizer)
         results = evaluate_suites(engine, tokenizer, TaskScorer(task), [suite], max_new_tokens, seed)
         engine.close()
         target.write_text(json.dumps({"step": step, "version": step, **results}, indent=2))
@@ -348,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except argparse.ArgumentTypeError as err:
                 problems.append(str(err))
                 continue
-            if key in GRID_KEYS:
+            if any(key == axis or key.startswith(f"{axis}.") for axis in GRID_KEYS):
                 problems.append(f"--set {item!r}: {key} is a grid axis; use the matching sweep option")
         if problems:
             parser.error("; ".join(problems))

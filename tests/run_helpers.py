@@ -15,9 +15,31 @@ from pathlib import Path
 from typing import Any
 
 from lit_gmc.cli import GMCCLI
+from lit_gmc.data.datamodule import RolloutDataModule
+from lit_gmc.data.engines import HFEngine
+from lit_gmc.data.schedules import FixedDelay
+from lit_gmc.data.tasks import Addition
 from lit_gmc.tblog import read_scalars
 
 RECORD_TAGS = ("schedule/batch_id", "schedule/launch_version", "train/reward", "train/loss")
+
+
+SCHEDULES = {
+    "Sync": "lit_gmc.data.schedules.Sync",
+    "FixedDelay": "lit_gmc.data.schedules.FixedDelay",
+    "VirtualClock": "lit_gmc.data.virtual_clock.VirtualClock",
+    "Live": "lit_gmc.data.live.Live",
+}
+
+
+def tiny_data(delay: int = 8, **kwargs: Any) -> RolloutDataModule:
+    """The embedded default's data side (addition, HF engine, ``FixedDelay(delay)``) for direct Trainer tests."""
+    return RolloutDataModule(Addition(), HFEngine(), FixedDelay(delay), **kwargs)
+
+
+def component(class_path: str, **init_args: Any) -> dict[str, Any]:
+    """A ``class_path`` + ``init_args`` entry; short schedule names expand to their paths."""
+    return {"class_path": SCHEDULES.get(class_path, class_path), "init_args": init_args}
 
 
 def write_config(
@@ -27,29 +49,35 @@ def write_config(
     total: int,
     every: int | None = None,
     extra_callbacks: list[dict] | None = None,
+    schedule: dict[str, Any] | None = None,
     **data: Any,
 ) -> Path:
-    """A config for a small tiny-actor run named ``name``; ``every``: checkpoint period (None: no checkpoints)."""
+    """A config for a small tiny-actor run named ``name``, logged and checkpointed under ``tmp_path / name``.
+
+    ``every``: checkpoint period (None: no checkpoints); ``schedule``: a :func:`component` (None: the default's).
+    """
     callbacks: list[dict[str, Any]] = [
         {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"},
         {"class_path": "lit_gmc.callbacks.delays.DelayAccounting"},
+        *(extra_callbacks or []),
     ]
-    if every is not None:
-        callbacks.append({
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"dirpath": str(tmp_path / name / "checkpoints"), "every_n_train_steps": every,
-                          "save_last": True, "save_top_k": -1},
-        })  # fmt: skip
-    callbacks += extra_callbacks or []
+    checkpoint = (
+        {"every_n_train_steps": every, "save_last": True, "save_top_k": -1}
+        if every is not None
+        else {"every_n_train_steps": 0, "save_last": False, "save_top_k": 0}
+    )
     config = {
         "trainer": {
             "max_steps": total,
             "enable_progress_bar": False,
+            # checkpoints follow the logger: tmp_path / name / checkpoints
             "logger": {"class_path": "lit_gmc.loggers.DurableTensorBoardLogger",
-                       "init_args": {"save_dir": str(tmp_path / name), "name": "tb"}},
+                       "init_args": {"save_dir": str(tmp_path), "name": name}},
             "callbacks": callbacks,
         },
-        "data": {"batch_prompts": 2, "group_size": 4, "max_new_tokens": 4, **data},
+        "checkpoint": checkpoint,
+        "data": {"batch_prompts": 2, "group_size": 4, "max_new_tokens": 4, **data,
+                 **({"schedule": schedule} if schedule is not None else {})},
     }  # fmt: skip
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML

@@ -1,4 +1,4 @@
-"""VCPO, GAC, A-3PO, CISPO and TIS: each rule's gradient against its equation written out, their step rules, fits.
+"""VCPO, GAC, A-3PO (unclipped and capped), CISPO, TIS: each rule's gradient against its equation, step rules, fits.
 
 The learner side runs the production path (left-padded batch, chunked log-probs, the registered rule and its
 aggregation); the reference side runs one plain full-logits forward per unpadded sequence and forms each
@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
+from run_helpers import tiny_data
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc import objectives as O
@@ -23,6 +24,8 @@ from lit_gmc.baselines import (
     GradientProjection,
     a3po,
     a3po_alpha,
+    a3po_behavior_weight,
+    a3po_capped,
     ess_step_factor,
     gac_shift,
     vcpo_baseline,
@@ -30,17 +33,17 @@ from lit_gmc.baselines import (
 from lit_gmc.batch import RolloutGroup, collate_groups
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.corrections import CORRECTIONS, PolicyTerms
-from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.module import GMCModule, cosine_with_warmup
 
-BASELINES = ("vcpo", "gac", "a3po", "cispo", "tis")
+BASELINES = ("vcpo", "gac", "a3po", "a3po_capped", "cispo", "tis")
 T_MAX = 6
 G = 3
 REWARDS = ([1.0, 0.0, 0.5], [0.2, 0.9, 0.0])
 # Per-row shift of the behaviour log-probs below the current ones: row 1 has a large trajectory ratio (VCPO
-# truncates it at c = 8) and row 5, in the delay-5 group, tokens with pi_prox / pi_b > 5 (A-3PO masks them).
-# Both have negative advantages, so PPO's clip does not zero their gradient and the truncation/mask is visible.
+# truncates it at c = 8) and row 5, in the delay-5 group, tokens with pi_prox / pi_b > 5 (a3po keeps their factor,
+# a3po_capped masks them). Both have negative advantages, so PPO's clip does not zero their gradient and the
+# truncation/mask is visible.
 SHIFTS = (0.0, 3.0, 0.0, 0.0, 0.0, 3.0)
 
 
@@ -166,11 +169,12 @@ def written_out_coefficients(name, batch, lp, delays, norms):
             b_star = (weight * r).sum(-1) / weight.sum(-1)
             adv = (r - b_star[:, None]) / r.std(-1, unbiased=False, keepdim=True)
             k.append(-min(float(w.view(-1)[i]), eps) * adv.view(-1)[i] / (n * d[i].numel()) * torch.ones_like(d[i]))
-        elif name in ("gac", "a3po"):
-            alpha = 1.0 / max(1, int(delays[i])) if name == "a3po" else 1.0
+        elif name in ("gac", "a3po", "a3po_capped"):
+            alpha = 1.0 / max(1, int(delays[i])) if name != "gac" else 1.0
             ratio = torch.exp(alpha * d[i])  # pi_theta / pi_prox, and its derivative is ratio * grad log pi
-            behavior_weight = torch.exp((1 - alpha) * d[i])
-            behavior_weight = torch.where(behavior_weight <= 5.0, behavior_weight, torch.zeros_like(ratio))
+            behavior_weight = torch.exp((1 - alpha) * d[i])  # pi_prox / pi_b, unclipped in a3po
+            if name == "a3po_capped":
+                behavior_weight = torch.where(behavior_weight <= 5.0, behavior_weight, torch.zeros_like(ratio))
             adv = centred[i]
             clipped = (ratio > 1 + eps) if adv > 0 else (ratio < 1 - eps)  # the constant branch of the min
             scale = n * d[i].numel() if name == "gac" else tokens
@@ -204,14 +208,17 @@ def test_rule_gradient_equals_equation_written_out(name, actor_dir, tokenizer, f
 
 
 def test_fixture_exercises_truncation_and_masking(actor_dir, tokenizer):
-    """The batch above really has a VCPO-truncated trajectory and A-3PO-masked tokens (else the test is weak)."""
+    """The batch above really has a VCPO-truncated trajectory and tokens over A-3PO's cap of 5, on which the two
+    A-3PO entries differ (else the written-out comparison could not tell them apart)."""
     model = load_module(actor_dir, "gmc").actor
     batch = make_batch(model, tokenizer)
     terms = terms_for(model, batch, torch.tensor([0] * G + [5] * G), torch.ones(2 * G, dtype=torch.float64))
     with torch.no_grad():
         assert CORRECTIONS["vcpo"].fn(terms, 8.0).extra["vcpo/truncated_fraction"] > 0
-        out = a3po(terms, 0.2)
-    assert out.extra["a3po/masked_fraction"] > 0 and out.extra["a3po/clip_fraction"] > 0
+        out, capped = a3po(terms, 0.2), a3po_capped(terms, 0.2)
+    assert out.extra["a3po/over_cap_fraction"] > 0 and out.extra["a3po/clip_fraction"] > 0
+    assert capped.extra["a3po/over_cap_fraction"] == out.extra["a3po/over_cap_fraction"]
+    assert not torch.equal(out.token_loss, capped.token_loss)
 
 
 def test_vcpo_grad_norms_and_baseline_equal_brute_force(actor_dir, tokenizer, float64_rmsnorm):
@@ -352,31 +359,113 @@ def hand_terms(token_logprobs, behavior, delays, rewards, group_size=2) -> Polic
     return PolicyTerms(token_logprobs, behavior, mask, rewards, delays, group_size)
 
 
-def test_a3po_masks_tokens_whose_behaviour_weight_exceeds_five():
+def a3po_direct(logprobs, behavior, mask, delays, rewards, group_size, eps, cap):
+    """A-3PO's per-token loss and its gradient in ``log pi_theta``, one token at a time in Python floats (float64).
+
+    ``log pi_prox = alpha l + (1 - alpha) log pi_theta`` with ``alpha = 1 / max(1, tau)``, ``r = pi_theta /
+    pi_prox``, ``w = pi_prox / pi_b`` (0 when ``cap`` is set and ``w > cap``), ``A = r_i - mean(group)``, and
+    ``loss_t = -w min(r A, clip(r, 1 - eps, 1 + eps) A)``. With ``pi_prox`` held constant (the stop-gradient),
+    ``d loss_t / d log pi_theta = -w r A`` where the unclipped branch is the minimum, else 0.
+    """
+    n, length = logprobs.shape
+    loss, grad = torch.zeros(n, length, dtype=torch.float64), torch.zeros(n, length, dtype=torch.float64)
+    for i in range(n):
+        group = rewards[(i // group_size) * group_size : (i // group_size + 1) * group_size].tolist()
+        adv = float(rewards[i]) - sum(group) / group_size
+        alpha = 1.0 / max(1, int(delays[i]))
+        for t in range(length):
+            if not mask[i, t]:
+                continue
+            lp, lb = float(logprobs[i, t]), float(behavior[i, t])
+            log_prox = alpha * lb + (1.0 - alpha) * lp
+            r, w = math.exp(lp - log_prox), math.exp(log_prox - lb)
+            if cap is not None and w > cap:
+                w = 0.0
+            unclipped, clipped = r * adv, min(max(r, 1.0 - eps), 1.0 + eps) * adv
+            loss[i, t] = -w * min(unclipped, clipped)
+            grad[i, t] = -w * r * adv if unclipped <= clipped else 0.0
+    return loss, grad
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", ["a3po", "a3po_capped"])
+def test_a3po_equals_its_equation_token_by_token(name, seed):
+    """Loss, gradient and the ``token_mean`` aggregate against :func:`a3po_direct`, with padding, mixed delays and
+    one token whose ``pi_prox / pi_b`` is ``e^3 > 5`` (kept by ``a3po``, masked by ``a3po_capped``)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, length = 6, 5
+    behavior = -3.0 * torch.rand(n, length, generator=gen, dtype=torch.float64)
+    gap = 1.5 * torch.randn(n, length, generator=gen, dtype=torch.float64)
+    gap[5, 0] = 3.5  # tau = 7: w = exp((6/7) 3.5) = e^3; row 5 has a negative advantage, so it has gradient
+    mask = torch.arange(length)[None, :] < torch.tensor([5, 3, 5, 1, 4, 5])[:, None]
+    logprobs = (behavior + gap).requires_grad_(True)
+    delays = torch.tensor([0, 1, 3, 3, 7, 7])
+    rewards = torch.tensor([1.0, 0.0, 0.3, 0.9, 1.0, 0.2], dtype=torch.float64)
+    entry = CORRECTIONS[name]
+    out = entry.fn(PolicyTerms(logprobs, behavior, mask, rewards, delays, 2), entry.default_eps)
+    cap = 5.0 if name == "a3po_capped" else None
+    loss, grad = a3po_direct(logprobs.detach(), behavior, mask, delays, rewards, 2, entry.default_eps, cap)
+    torch.testing.assert_close(out.token_loss, loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(out.token_loss.sum(), logprobs)[0], grad, rtol=1e-12, atol=1e-14)
+    assert grad[5, 0] != 0 if cap is None else grad[5, 0] == 0  # the over-cap token
+    assert entry.aggregation == "token_mean"  # token sum over the count of valid tokens
+    total = O.aggregate_loss(out.token_loss, mask, entry.aggregation, max_length=length, total_sequences=n,
+                             total_tokens=int(mask.sum()))  # fmt: skip
+    assert float(total.detach()) == pytest.approx(float(loss.sum()) / int(mask.sum()), rel=1e-12)
+
+
+def test_a3po_keeps_the_factor_over_five_and_a3po_capped_masks_it():
     # tau = 5, alpha = 0.2: pi_prox / pi_b = exp(0.8 (log pi - l)); the cap 5 is crossed at log pi - l = ln(5)/0.8.
     edge = math.log(5.0) / 0.8
-    gap = torch.tensor([[0.0, edge - 1e-6, edge + 1e-6], [-0.3, 0.5, 1.0]], dtype=torch.float64)
+    gap = torch.tensor([[0.0, edge - 1e-6, edge + 1e-6], [-0.3, 0.5, 4.0]], dtype=torch.float64)
     behavior = torch.full_like(gap, -2.0)
     logprobs = (behavior + gap).requires_grad_(True)
-    out = a3po(hand_terms(logprobs, behavior, torch.tensor([5, 5]), torch.tensor([1.0, 0.0], dtype=torch.float64)), 0.2)
-    kept_weight = torch.exp(0.8 * gap)
-    ratio = torch.exp(0.2 * gap)
+    terms = hand_terms(logprobs, behavior, torch.tensor([5, 5]), torch.tensor([1.0, 0.0], dtype=torch.float64))
+    out, capped = a3po(terms, 0.2), a3po_capped(terms, 0.2)
+    weight, ratio = torch.exp(0.8 * gap), torch.exp(0.2 * gap)
     adv = torch.tensor([[0.5], [-0.5]], dtype=torch.float64)
-    expected = -kept_weight * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-    expected[0, 2] = 0.0  # masked: weight just above 5
-    torch.testing.assert_close(out.token_loss, expected, rtol=1e-12, atol=1e-14)
+    expected = -weight * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    torch.testing.assert_close(out.token_loss, expected, rtol=1e-12, atol=1e-14)  # unclipped: weights up to e^3.2
+    over = torch.tensor([[False, False, True], [False, False, True]])
+    torch.testing.assert_close(capped.token_loss, expected.masked_fill(over, 0.0), rtol=1e-12, atol=1e-14)
     (grad,) = torch.autograd.grad(out.token_loss.sum(), logprobs)
-    assert grad[0, 2] == 0.0 and grad[0, 0] != 0.0  # masked token vs a kept, unclipped one
-    assert float(out.extra["a3po/masked_fraction"]) == pytest.approx(1 / 6)
+    (grad_capped,) = torch.autograd.grad(capped.token_loss.sum(), logprobs)
+    # Negative advantage, unclipped branch: the gradient carries the whole token ratio pi_theta / pi_b = e^4.
+    assert float(grad[1, 2]) == pytest.approx(0.5 * math.exp(4.0), rel=1e-12)
+    assert grad_capped[1, 2] == 0.0 and grad_capped[0, 2] == 0.0 and grad_capped[0, 0] != 0.0
+    torch.testing.assert_close(grad_capped.masked_fill(over, 0.0), grad.masked_fill(over, 0.0))  # others agree
+    for o in (out, capped):
+        assert float(o.extra["a3po/over_cap_fraction"]) == pytest.approx(2 / 6)
 
 
+def test_a3po_behavior_weight_unclipped_capped_and_finite():
+    log_w = torch.tensor([[0.0, math.log(5.0), math.log(5.0) + 1e-9, 200.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    weight, kept = a3po_behavior_weight(log_w, mask, None)
+    torch.testing.assert_close(weight, torch.tensor([[1.0, 5.0, 5.0, 0.0]], dtype=torch.float64))  # no cap
+    assert torch.equal(kept, mask)
+    weight, kept = a3po_behavior_weight(log_w, mask, 5.0)
+    torch.testing.assert_close(weight, torch.tensor([[1.0, 5.0, 0.0, 0.0]], dtype=torch.float64))  # masked, not 5
+    assert kept.tolist() == [[True, True, False, False]]
+    with pytest.raises(ValueError, match="like mask"):
+        a3po_behavior_weight(log_w[0], mask[0], None)
+    # float32, a factor beyond float range and a zero advantage: the token contributes 0, not NaN.
+    behavior = torch.full((2, 2), -150.0)
+    logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
+    terms = hand_terms(logprobs, behavior, torch.tensor([4, 4]), torch.tensor([1.0, 1.0]))
+    out = a3po(terms, 0.2)
+    assert torch.equal(out.token_loss, torch.zeros(2, 2))
+    assert torch.isfinite(torch.autograd.grad(out.token_loss.sum(), logprobs)[0]).all()
+
+
+@pytest.mark.parametrize("rule", [a3po, a3po_capped])
 @pytest.mark.parametrize("delay", [0, 1])
-def test_a3po_is_ppo_clip_at_small_delay(delay):
+def test_a3po_is_ppo_clip_at_small_delay(rule, delay):
     gen = torch.Generator().manual_seed(delay)
     behavior = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 3
     logprobs = (behavior + 0.5 * torch.randn(4, 5, generator=gen, dtype=torch.float64)).requires_grad_(True)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
-    out = a3po(hand_terms(logprobs, behavior, torch.full((4,), delay), rewards), 0.2)
+    out = rule(hand_terms(logprobs, behavior, torch.full((4,), delay), rewards), 0.2)
     adv = O.group_centered_advantages(rewards, 2)
     ppo = O.ppo_clip_token_loss(logprobs, behavior, torch.ones_like(behavior, dtype=torch.bool), adv, 0.2)
     assert torch.equal(out.token_loss, ppo)
@@ -449,7 +538,7 @@ class MemoryLogger(Logger):
 
 def fit(correction: str, steps: int, tmp_path, *, planned: int | None = None, ckpt_path=None):
     module = GMCModule(correction=correction, micro_batch_groups=2)
-    data = RolloutDataModule(schedule="fixed_delay", delay=2, group_size=4, batch_prompts=4,
+    data = tiny_data(2, group_size=4, batch_prompts=4,
                              total_updates=planned or steps)  # fmt: skip
     recorder, logger = Recorder(), MemoryLogger()
     trainer = pl.Trainer(
@@ -462,8 +551,9 @@ def fit(correction: str, steps: int, tmp_path, *, planned: int | None = None, ck
     return trainer, module, recorder
 
 
-RULE_METRICS = {"vcpo": "vcpo/lr_factor", "gac": "gac/cosine", "a3po": "a3po/masked_fraction",
-                "cispo": "cispo/truncated_fraction", "tis": "tis/truncated_fraction"}  # fmt: skip
+RULE_METRICS = {"vcpo": "vcpo/lr_factor", "gac": "gac/cosine", "a3po": "a3po/over_cap_fraction",
+                "a3po_capped": "a3po/over_cap_fraction", "cispo": "cispo/truncated_fraction",
+                "tis": "tis/truncated_fraction"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BASELINES)

@@ -4,8 +4,8 @@ import re
 import pytest
 
 from lit_gmc.data.answers import last_boxed, strip_dollars
-from lit_gmc.data.benchmarks import BENCHMARKS, load_benchmark, load_gsm8k, load_olympiadbench
-from lit_gmc.data.math_data import MathScorer, is_local
+from lit_gmc.data.benchmarks import BENCHMARKS, load_benchmark
+from lit_gmc.data.math_data import MathScorer, is_file_source, is_local
 
 COUNTS = {"math500": 500, "gsm8k": 1319, "gaokao2023en": 385, "olympiadbench": 675, "minerva": 272, "amc23": 40}
 
@@ -70,14 +70,20 @@ def write(path, records):
 
 def test_bad_rows_name_the_file_and_line(tmp_path):
     gsm = write(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "#### 3"}, {"question": "q", "answer": "3"}])
-    with pytest.raises(ValueError, match=r"gsm\.jsonl:2: no '#### <answer>' line"):
-        load_gsm8k(gsm)
+    with pytest.raises(ValueError, match=r"gsm\.jsonl:2: column 'answer': no '#### <answer>' line"):
+        load_benchmark("gsm8k", source=gsm)
     oly = write(tmp_path / "oly.jsonl", [{"question": "q", "final_answer": []}])
-    with pytest.raises(ValueError, match=r"oly\.jsonl:1: field 'final_answer'"):
-        load_olympiadbench(oly)
+    with pytest.raises(ValueError, match=r"oly\.jsonl:1: column 'final_answer': reference answer must be"):
+        load_benchmark("olympiadbench", source=oly)
     amc = write(tmp_path / "amc.jsonl", [{"problem": "p", "answer": 1.0}, {"problem": "p"}])
     with pytest.raises(ValueError, match=r"amc\.jsonl:2: missing field 'answer'"):
         load_benchmark("amc23", source=amc)
+    minerva = write(tmp_path / "minerva.jsonl", [{"problem": "p", "solution": "so \\boxed{}"}])
+    with pytest.raises(ValueError, match=r"minerva\.jsonl:1: column 'solution': no complete \\boxed\{\} with an"):
+        load_benchmark("minerva", source=minerva)
+    # The local GSM8K copy keeps the hub's column names, so the message names the column the user sees.
+    with pytest.raises(ValueError, match=r"gsm2\.jsonl:1: missing field 'rationale' \(column 'answer'\)"):
+        load_benchmark("gsm8k", source=write(tmp_path / "gsm2.jsonl", [{"question": "q", "answer": None}]))
 
 
 def test_unknown_benchmark_lists_the_known_ones():
@@ -88,3 +94,5 @@ def test_unknown_benchmark_lists_the_known_ones():
 def test_local_paths_and_hub_names_are_told_apart(tmp_path):
     assert is_local("data/x.jsonl") and is_local(str(tmp_path))
     assert not is_local("HuggingFaceH4/MATH-500")
+    # Only a JSON file is read as one; a folder goes through load_dataset(folder, config, split) like a hub name.
+    assert is_file_source("data/x.jsonl") and not is_file_source(str(tmp_path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -58,44 +59,133 @@ def test_help_documents_every_option(help_text, group, cls):
 
 
 def test_the_overrides_users_type_reach_the_config():
-    config = parse("--model.correction", "tic", "--model.eps", "0.28", "--data.schedule", "sync", "--data.delay", "8",
-                   "--data.group_size", "4", "--data.batch_prompts", "2", "--data.max_new_tokens", "5",
-                   "--trainer.max_steps", "33")  # fmt: skip
+    config = parse("--model.correction", "tic", "--model.eps", "0.28", "--data.schedule", "Sync",
+                   "--data.schedule.inner_steps", "4", "--data.group_size", "4", "--data.batch_prompts", "2",
+                   "--data.max_new_tokens", "5", "--trainer.max_steps", "33")  # fmt: skip
     assert (config.model.correction, config.model.eps) == ("tic", 0.28)
-    assert (
-        config.data.schedule, config.data.delay, config.data.group_size, config.data.batch_prompts
-    ) == ("sync", 8, 4, 2)
+    assert config.data.schedule.class_path == "lit_gmc.data.schedules.Sync"
+    assert config.data.schedule.init_args.inner_steps == 4
+    assert (config.data.group_size, config.data.batch_prompts) == (4, 2)
     # linked: the loss normaliser T is the completion budget, the planned updates are max_steps
     assert config.model.max_response_length == 5
     assert config.data.total_updates == 33
 
 
+@pytest.mark.parametrize(
+    ("args", "class_path", "init_args"),
+    [
+        (["--data.schedule.delay", "32"], "lit_gmc.data.schedules.FixedDelay", {"delay": 32}),
+        (["--data.schedule", "VirtualClock", "--data.schedule.lam", "920"], "lit_gmc.data.virtual_clock.VirtualClock",
+         {"c_gen": 85.0, "lam": 920.0, "c_update": 1.0, "max_launches": 400, "overlap": True}),
+        (["--data.schedule", "Live", "--data.schedule.chunk_prompts", "2"], "lit_gmc.data.live.Live",
+         {"workers": 1, "chunk_prompts": 2, "max_staleness": None, "join_timeout_s": 60.0}),
+    ],
+)
+def test_short_forms_pick_a_schedule_with_its_own_options(args, class_path, init_args):
+    schedule = parse(*args).data.schedule
+    assert schedule.class_path == class_path and schedule.init_args.as_dict() == init_args
+
+
+def test_an_option_of_another_schedule_cannot_be_given():
+    args = ["--data.schedule", "VirtualClock", "--data.schedule.delay", "32"]
+    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert "VirtualClock" in out.stderr and "Option 'delay' is not accepted" in out.stderr
+
+
+def test_closed_choices_are_checked_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse("--data.engine", "VLLMEngine", "--data.engine.layout", "sideways")
+    assert parse("--data.engine", "VLLMEngine", "--data.engine.layout", "dedicated").data.engine.init_args.layout == (
+        "dedicated"
+    )
+
+
 def test_every_bad_option_is_named_in_one_message():
-    args = ["--model.correction", "nope", "--model.eps", "0", "--data.group_size", "1", "--data.delay", "-1",
-            "--data.batch_prompts", "0", "--data.schedule", "later"]  # fmt: skip
+    args = ["--model.correction", "nope", "--model.eps", "0", "--data.group_size", "1", "--data.schedule.delay", "-1",
+            "--data.batch_prompts", "0", "--data.engine.batch_rows", "0", "--data.task.max_operand", "0"]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args], capture_output=True, text=True, cwd=REPO,
                          timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.count("invalid options") == 1
-    for flag in ("--model.correction='nope'", "--model.eps=0", "--data.group_size=1", "--data.delay=-1",
-                 "--data.batch_prompts=0", "--data.schedule='later'"):  # fmt: skip
+    for flag in ("--model.correction='nope'", "--model.eps=0", "--data.group_size=1", "--data.schedule.delay=-1",
+                 "--data.batch_prompts=0", "--data.engine.batch_rows=0", "--data.task.max_operand=0"):  # fmt: skip
         assert flag in out.stderr, flag
 
 
 def test_the_embedded_default_applies_without_a_config():
     config = parse()
-    assert (config.model.actor, config.model.correction, config.data.task) == ("tiny", "gmc", "addition")
+    assert (config.model.actor, config.model.correction) == ("tiny", "gmc")
+    assert config.data.task.class_path == "lit_gmc.data.tasks.Addition"
+    assert config.data.engine.class_path == "lit_gmc.data.engines.HFEngine"
+    assert (config.data.schedule.class_path, config.data.schedule.init_args.delay) == (
+        "lit_gmc.data.schedules.FixedDelay", 8)
 
 
-@pytest.mark.parametrize("path", sorted(p.relative_to(REPO) for p in (REPO / "configs").rglob("*.yaml")), ids=str)
+def test_help_lists_each_components_options(help_text):
+    for flag in ("--data.schedule.help", "--data.engine.help", "--data.task.help", "--data.reward",
+                 "--checkpoint.at_steps"):  # fmt: skip
+        assert flag in help_text, flag
+    for schedule, option in (("FixedDelay", "delay"), ("Sync", "inner_steps"), ("VirtualClock", "max_launches"),
+                             ("Live", "max_staleness")):  # fmt: skip
+        out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--data.schedule.help", schedule],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+        assert out.returncode == 0 and f"--data.schedule.{option}" in out.stdout, (schedule, out.stderr[-500:])
+
+
+CONFIGS = sorted(p.relative_to(REPO) for p in (REPO / "configs").rglob("*.yaml"))
+BASES = [Path("configs/tiny.yaml"), Path("configs/qwen3_4b.yaml")]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=str)
 def test_every_config_parses_and_validates(path):
-    config = parse("--config", str(REPO / path))
-    assert config.model.correction and config.data.group_size >= 2
+    """Complete configs alone; fragments (model/, experiment/) over each base they are written for."""
+    bases = [] if path in BASES else [b for b in BASES if path.parts[1] != "model" or b.name == "qwen3_4b.yaml"]
+    for base in bases or [None]:
+        layered = ["--config", str(REPO / base)] if base else []
+        config = parse(*layered, "--config", str(REPO / path))
+        assert config.model.correction and config.data.group_size >= 2
 
 
-def test_corollary1_threshold_is_refused_for_rules_without_a_cap():
-    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--model.correction", "vcpo", "--model.eps_schedule",
+def documented_commands() -> list[list[str]]:
+    """Every ``python -m lit_gmc fit ...`` command of README.md and the configs' comments, as argument lists.
+
+    Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``gmc``.
+    """
+    texts = [(REPO / "README.md").read_text()] + [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
+    commands = []
+    for text in texts:
+        lines = [line.strip().lstrip("#").strip() for line in text.replace("\\\n", " ").splitlines()]
+        for line in lines:
+            if line.startswith("python -m lit_gmc fit") and "..." not in line and "help" not in line:
+                argv = shlex.split(line.split("  #")[0].split(" [")[0].replace("$rule", "gmc"))[4:]
+                commands.append([a.replace("configs/", str(REPO / "configs") + "/") for a in argv])
+    return commands
+
+
+MY_PROJECT = {
+    "__init__.py": "",
+    "tasks.py": "from lit_gmc.data.tasks import Addition\n\n\nclass MyTask(Addition):\n    pass\n",
+    "rewards.py": "def exact_match(completions, answer):\n    return [float(c == answer) for c in completions]\n",
+}
+
+
+@pytest.mark.parametrize("argv", documented_commands(), ids=" ".join)
+def test_every_documented_command_line_parses(argv, tmp_path, monkeypatch):
+    package = tmp_path / "my_project"  # the README's plug-in example names a user's package
+    package.mkdir()
+    for name, text in MY_PROJECT.items():
+        (package / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = parse(*argv)
+    assert config.data.total_updates == config.trainer.max_steps
+
+
+def test_corollary1_threshold_is_refused_for_rules_other_than_gmc():
+    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--model.correction", "tic", "--model.eps_schedule",
                           "corollary1"], capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
     assert out.returncode == 2
-    assert "--model.eps_schedule=corollary1" in out.stderr and "'vcpo'" in out.stderr
-    assert parse("--model.correction", "tic", "--model.eps_schedule", "corollary1").model.eps_schedule == "corollary1"
+    assert "--model.eps_schedule=corollary1" in out.stderr and "'tic'" in out.stderr
+    assert "group-mass cap" in out.stderr
+    assert parse("--model.correction", "gmc", "--model.eps_schedule", "corollary1").model.eps_schedule == "corollary1"

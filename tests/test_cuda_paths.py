@@ -65,12 +65,12 @@ def gaps(groups, model, pad_id) -> tuple[float, float]:
 
 
 def test_colocated_sleeps_between_rollouts_and_syncs_in_bf16(saved_actor, char_tokenizer):
-    from lit_gmc.data.vllm_engine import VLLMEngine, VLLMOptions
+    from lit_gmc.data.vllm_engine import VLLMEngine
 
-    options = VLLMOptions(sleep_between_rollouts=True, dtype="bfloat16", gpu_memory_utilization=0.3,
-                          kv_cache_memory_bytes=256 << 20)  # fmt: skip
-    engine = VLLMEngine(str(saved_actor[0]), char_tokenizer, options)
+    engine = VLLMEngine(sleep_between_rollouts=True, dtype="bfloat16", gpu_memory_utilization=0.3,
+                        kv_cache_memory_bytes=256 << 20)  # fmt: skip
     try:
+        engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
         pad, sampling = char_tokenizer.pad_token_id, SamplingParams(max_new_tokens=6, seed=1)
         free_asleep = torch.cuda.mem_get_info()[0]
         engine.llm.wake_up()
@@ -95,11 +95,11 @@ def test_colocated_sleeps_between_rollouts_and_syncs_in_bf16(saved_actor, char_t
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the dedicated layout needs a second GPU")
 def test_dedicated_gpu_layout_syncs_from_another_device(saved_actor, char_tokenizer):
-    from lit_gmc.data.vllm_engine import VLLMEngine, VLLMOptions
+    from lit_gmc.data.vllm_engine import VLLMEngine
 
-    options = VLLMOptions(layout="dedicated", devices="1", dtype="bfloat16", gpu_memory_utilization=0.5)
-    engine = VLLMEngine(str(saved_actor[0]), char_tokenizer, options)
+    engine = VLLMEngine(layout="dedicated", devices="1", dtype="bfloat16", gpu_memory_utilization=0.5)
     try:
+        engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
         new = perturbed(saved_actor[1], seed=2)  # the learner's weights live on cuda:0
         engine.load_weights(new.named_parameters(), 1)
         mean, worst = gaps(engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=2)), new,
@@ -118,8 +118,10 @@ def test_tiny_fit_on_gpu_with_colocated_sleeping_vllm(tmp_path):
                     "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": str(tmp_path), "name": "tb"}}},
         "model": {"dtype": "bfloat16"},
-        "data": {"engine": "vllm", "delay": 0, "batch_prompts": 4, "engine_options": {
-            "dtype": "bfloat16", "sleep_between_rollouts": True, "gpu_memory_utilization": 0.3}},
+        "checkpoint": {"every_n_train_steps": 0, "save_last": False, "save_top_k": 0},
+        "data": {"schedule": {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 0}},
+                 "batch_prompts": 4, "engine": {"class_path": "lit_gmc.data.vllm_engine.VLLMEngine", "init_args": {
+                     "dtype": "bfloat16", "sleep_between_rollouts": True, "gpu_memory_utilization": 0.3}}},
     }))  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--config", str(config)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=900, env={**os.environ})  # fmt: skip

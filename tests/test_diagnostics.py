@@ -28,7 +28,6 @@ from lit_gmc.callbacks.diagnostics import (
     check_stats,
     pearson,
     step_scalars,
-    zero_variance_fraction,
 )
 from lit_gmc.tblog import read_scalars
 
@@ -51,8 +50,6 @@ def fake_stats(step: int) -> dict[str, torch.Tensor]:
         "coefficients": log_rho.exp(),
         "advantages": torch.zeros(n),
         "log_rho_bar": log_rho_bar,
-        "gmc_rescaled": log_rho_bar > math.log1p(0.28),
-        "tic_dropped": log_rho > math.log1p(0.28),
         "removed_mass": torch.rand(B, generator=gen),
         "ess": 1 + 3 * torch.rand(B, generator=gen),
         "rewards": rewards,
@@ -114,7 +111,6 @@ def test_step_scalars_match_direct_formulas():
         "ess/mean": stats["ess"].double().mean().item(), "ess/min": stats["ess"].min().item(),
         "ess/mean_fraction_of_G": stats["ess"].double().mean().item() / G,
         "response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
-        "reward/mean": rewards.mean(),
         "reward/zero_variance_fraction": np.mean([len(set(row)) == 1 for row in rewards]),
         "entropy/mean": stats["entropy"].double().mean().item(),
         "corr/log_rho_vs_length": np.corrcoef(lr, lengths)[0, 1],
@@ -130,7 +126,19 @@ def test_step_scalars_match_direct_formulas():
 def test_step_scalars_only_for_present_keys():
     assert step_scalars({}) == {}
     got = step_scalars({"rewards": torch.tensor([1.0, 0.0]), "entropy": torch.empty(0)})
-    assert got == {"reward/mean": 0.5}  # no G without a group key, no entropy without tokens
+    assert got == {}  # no G without a group key, no entropy without tokens; the mean reward is the learner's
+
+
+@pytest.mark.parametrize("cap_eps", [0.1, 0.28, 1.0])
+def test_cross_rule_shares_use_the_callbacks_own_threshold(cap_eps):
+    """The GMC-rescaled and TIC-dropped shares depend on ``cap_eps`` only, never on the training rule's eps."""
+    stats = fake_stats(5)
+    got = step_scalars(stats, cap_eps)
+    bar, lr = stats["log_rho_bar"].double().numpy(), stats["log_rho"].double().numpy()
+    assert got["gmc/rescaled_fraction"] == pytest.approx((np.exp(bar) > 1 + cap_eps).mean(), abs=1e-12)
+    assert got["tic/dropped_fraction"] == pytest.approx((np.exp(lr) > 1 + cap_eps).mean(), abs=1e-12)
+    with pytest.raises(ValueError, match="cap_eps"):
+        Diagnostics(cap_eps=float("inf"))
 
 
 def test_pearson_matches_numpy_and_is_none_when_undefined():
@@ -144,6 +152,8 @@ def test_pearson_matches_numpy_and_is_none_when_undefined():
 
 
 def test_zero_variance_fraction_by_hand():
+    from lit_gmc.objectives import zero_variance_fraction
+
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.5])
     assert zero_variance_fraction(rewards, 2) == 0.75
     assert zero_variance_fraction(rewards, 4) == 0.0

@@ -1,4 +1,4 @@
-"""Corollary-1 adaptive threshold: the formula, its running moments, its options, and a real run that logs it."""
+"""Corollary-1 adaptive threshold: the formula, its running moments, its options (GMC only), and a real run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from run_helpers import fit, write_config
+from run_helpers import component, fit, write_config
 
 from lit_gmc.eps_schedules import (
     ConstantEps,
@@ -18,6 +18,7 @@ from lit_gmc.eps_schedules import (
     corollary1_eps,
     validate_eps_schedule_args,
 )
+from lit_gmc.module import GMCModule, validate_model_args
 from lit_gmc.tblog import read_scalars
 
 
@@ -95,6 +96,25 @@ def test_constant_schedule_and_the_registry():
         Corollary1Eps(1.0, 0.05, 2.0).next_eps(torch.tensor([1]), -1)
 
 
+MODEL_ARGS = {"eps": None, "aggregation": None, "lr": 1e-4, "warmup_fraction": 0.0, "optimizer": "adamw",
+              "max_grad_norm": 1.0, "micro_batch_groups": 1, "logit_chunk_tokens": 8, "dtype": "float32"}  # fmt: skip
+
+
+def test_corollary1_is_gmc_only_and_the_refusal_names_the_flags_and_the_reason():
+    """Corollary 1's rate is derived for GMC's group-mass cap: TIC (a different bias term) and rules whose eps is
+    not a cap are refused, each in one line naming both flags."""
+    assert validate_model_args(correction="gmc", eps_schedule="corollary1", **MODEL_ARGS) == []
+    for rule in ("tic", "vcpo", "grpo", "a3po"):
+        assert validate_model_args(correction=rule, eps_schedule="constant", **MODEL_ARGS) == []
+        (problem,) = validate_model_args(correction=rule, eps_schedule="corollary1", **MODEL_ARGS)
+        assert "--model.eps_schedule=corollary1" in problem and f"--model.correction={rule!r}" in problem
+        assert "derived for GMC's group-mass cap" in problem and "--model.correction=gmc" in problem
+    (tic,) = validate_model_args(correction="tic", eps_schedule="corollary1", **MODEL_ARGS)
+    assert "rho > 1 + eps, a different bias term" in tic
+    with pytest.raises(ValueError, match="--model.correction='tic'"):
+        GMCModule(correction="tic", eps_schedule="corollary1")  # fails before the actor is built
+
+
 def test_cli_rejects_bad_schedule_options_in_one_message():
     out = subprocess.run(
         [sys.executable, "-m", "lit_gmc", "fit", "--model.eps_schedule", "adaptive", "--model.eps_min", "0",
@@ -109,7 +129,7 @@ def test_a_real_run_logs_the_schedule_and_checkpoints_its_moments(tmp_path):
     """Fixed delay 2 over 5 updates: delays 0, 1, 2, 2, 2. Logged eps equals the formula on the logged delays,
     and a run resumed from the step-2 checkpoint continues with the same thresholds."""
     opts = ["--model.eps_schedule", "corollary1", "--model.eps_scale", "0.375", "--model.eps_min", "0.01"]
-    config = write_config(tmp_path, "whole", total=5, every=2, delay=2)
+    config = write_config(tmp_path, "whole", total=5, every=2, schedule=component("FixedDelay", delay=2))
     cli = fit(config, *opts)
     # the progress bar's figures (Lightning's bar shows what the module logs with prog_bar=True)
     assert {"reward", "delay", "queue"} <= set(cli.trainer.progress_bar_metrics)
@@ -124,7 +144,7 @@ def test_a_real_run_logs_the_schedule_and_checkpoints_its_moments(tmp_path):
     ckpt = torch.load(tmp_path / "whole" / "checkpoints" / "epoch=0-step=2.ckpt", weights_only=False)
     assert ckpt["eps_schedule"]["moments"]["updates"] == 2
     assert ckpt["eps_schedule"]["moments"]["sum_p4"] == pytest.approx(1.0)
-    resumed = write_config(tmp_path, "resumed", total=5, delay=2)
+    resumed = write_config(tmp_path, "resumed", total=5, schedule=component("FixedDelay", delay=2))
     fit(resumed, *opts, "--ckpt_path", str(tmp_path / "whole" / "checkpoints" / "epoch=0-step=2.ckpt"))
     again = dict(read_scalars(tmp_path / "resumed")["correction/eps"])
     assert [again[s] for s in (2, 3, 4)] == pytest.approx(want[2:], rel=1e-6)

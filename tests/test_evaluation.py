@@ -11,12 +11,12 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from run_helpers import tiny_data
 
 from lit_gmc.actor import build_char_tokenizer
 from lit_gmc.callbacks.evaluation import Evaluation, Suite, evaluate_suites, scalars_of
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.cli import GMCCLI
-from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.data.math_data import MathScorer, make_prompts
 from lit_gmc.module import GMCModule
 from lit_gmc.tblog import read_scalars
@@ -96,6 +96,30 @@ def test_setup_fails_clearly_without_an_engine(shared_data):
         Evaluation(benchmarks=["mmlu"]).setup(pl.Trainer(logger=False, enable_checkpointing=False), None, "fit")
 
 
+def test_benchmarks_default_to_the_hub_and_sources_override(tmp_path):
+    default = Evaluation()
+    assert default.data_dir is None and default.sources == {} and default.cut_at_next_problem is False
+    folder = tmp_path / "amc23"  # laid out like math-ai/amc23: test.jsonl with id, question, answer, url
+    folder.mkdir()
+    rows = [{"id": 0, "question": "How many?", "answer": 27.0, "url": "u0"},
+            {"id": 1, "question": "How far?", "answer": 36.0, "url": "u1"}]  # fmt: skip
+    (folder / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = build_char_tokenizer()
+    engine = ScriptedEngine(tokenizer, greedy={}, sampled={})
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    for cut in (False, True):
+        callback = Evaluation(benchmarks=["amc23"], sources={"amc23": str(folder)}, engine=engine,
+                              tokenizer=tokenizer, cut_at_next_problem=cut)  # fmt: skip
+        callback.setup(trainer, None, "fit")
+        try:
+            (suite,) = callback.suites
+            asked = [(p.answer, p.text.endswith("How far?\nSolution:")) for p in suite.prompts]
+            assert asked == [("27", False), ("36", True)]
+            assert suite.n == 16 and callback.scorer.cut_at_next_problem is cut  # the paper's rule unless asked
+        finally:
+            callback.teardown(trainer, None, "fit")
+
+
 def test_callbacks_stay_light():
     # lightning.pytorch imports torchmetrics, which imports transformers whenever it is installed, so what can be
     # checked is that our callback modules pull in nothing of ours beyond themselves (no learner, actor or data
@@ -114,7 +138,7 @@ def test_callbacks_stay_light():
 
 def make_run(root: Path, shared_data: Path, max_steps: int, ckpt_dir: Path):
     model = GMCModule(actor="tiny", max_response_length=4)
-    data = RolloutDataModule(actor="tiny", delay=0, group_size=2, batch_prompts=2, max_new_tokens=4,
+    data = tiny_data(0, actor="tiny", group_size=2, batch_prompts=2, max_new_tokens=4,
                              total_updates=max_steps)  # fmt: skip
     evaluation = Evaluation(
         benchmarks=["amc23", "gsm8k"], every_n_steps=2, at_steps=[0], data_dir=str(shared_data), samples=2,
@@ -185,28 +209,46 @@ def test_evaluate_script_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         load_script().parse_args(["--actor", "tiny", "--samples", "0"])
     assert "--samples must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_script().parse_args(["--actor", "tiny", "--source", "mmlu=x.jsonl"])
+    assert "--source 'mmlu=x.jsonl' must be NAME=PATH" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "actor"), [("qwen3_1p7b", "1.7B"), ("qwen3_4b", "4B"), ("qwen3_8b", "8B")])
-def test_qwen_configs_hold_the_paper_defaults(name, actor, capsys):
+def test_evaluate_script_reads_the_hub_unless_told_otherwise():
+    script = load_script()
+    args = script.parse_args(["--actor", "tiny"])
+    assert (args.data_dir, args.sources, args.cut_at_next_problem) == (None, {}, False)
+    args = script.parse_args(["--actor", "tiny", "--source", "amc23=a.jsonl", "--source", "gsm8k=some/mirror",
+                              "--data-dir", "../shared/data", "--cut-at-next-problem"])  # fmt: skip
+    assert args.sources == {"amc23": "a.jsonl", "gsm8k": "some/mirror"} and args.cut_at_next_problem
+
+
+@pytest.mark.parametrize(("fragment", "actor"), [("qwen3_1p7b", "1.7B"), (None, "4B"), ("qwen3_8b", "8B")])
+def test_qwen_configs_hold_the_paper_defaults(fragment, actor, capsys):
+    layered = ["--config", str(REPO / "configs" / "model" / f"{fragment}.yaml")] if fragment else []
     with pytest.raises(SystemExit) as done:
-        GMCCLI(args=["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
+        GMCCLI(args=["fit", "--config", str(REPO / "configs" / "qwen3_4b.yaml"), *layered, "--print_config"])
     assert done.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
     model, data, trainer = config["model"], config["data"], config["trainer"]
     assert model["actor"] == f"Qwen/Qwen3-{actor}-Base"  # data.actor is linked to it
     optimizer = (model["optimizer"], model["lr"], model["betas"], model["weight_decay"])
     assert optimizer == ("adamw8bit", 1e-6, [0.9, 0.999], 0.0)
-    assert (model["warmup_fraction"], model["max_grad_norm"], model["dtype"]) == (0.03, 1.0, "bfloat16")
-    assert (model["correction"], model["eps"], model["aggregation"]) == ("gmc", 0.28, "seq_sum_over_T")
-    assert (data["batch_prompts"], data["group_size"], data["inner_steps"]) == (8, 8, 1)
-    assert (data["max_new_tokens"], data["temperature"], data["top_p"], data["engine"]) == (4096, 1.0, 1.0, "vllm")
-    assert data["task"] == "math"
-    assert data["task_options"] == {"path": "../shared/data/math_train.jsonl", "max_prompt_tokens": 1024}
+    # fp32 master weights, bf16 compute; bf16 rollouts
+    assert (trainer["precision"], model["dtype"], data["engine"]["init_args"]["dtype"]) == (
+        "bf16-mixed", "float32", "bfloat16")
+    assert (model["warmup_fraction"], model["max_grad_norm"]) == (0.03, 1.0)
+    # every rule keeps its own threshold and aggregation
+    assert (model["correction"], model["eps"], model["aggregation"]) == ("gmc", None, None)
+    assert (data["batch_prompts"], data["group_size"]) == (8, 8)
+    assert (data["max_new_tokens"], data["temperature"], data["top_p"]) == (4096, 1.0, 1.0)
+    assert data["engine"]["class_path"] == "lit_gmc.data.vllm_engine.VLLMEngine"
+    task = data["task"]
+    assert task["class_path"] == "lit_gmc.data.math_task.Math"
+    # the hub by default: a plain clone has no ../shared
+    assert (task["init_args"]["path"], task["init_args"]["max_prompt_tokens"]) == (None, 1024)
     assert trainer["max_steps"] == 800
     callbacks = {c["class_path"].rsplit(".", 1)[1]: c.get("init_args", {}) for c in trainer["callbacks"]}
-    assert callbacks["Evaluation"]["at_steps"] == [200, 300, 400, 800]
-    periods = [c["init_args"]["every_n_train_steps"] for c in trainer["callbacks"]
-               if c["class_path"].endswith(("ModelCheckpoint", "RunCheckpoint"))]  # fmt: skip
-    saved = {s for s in range(1, 801) if any(s % p == 0 for p in periods)}
-    assert {200, 300, 400, 800} <= saved and len(saved) == 5
+    assert callbacks["Evaluation"]["at_steps"] == [200, 300, 400, 800] and callbacks["Evaluation"]["data_dir"] is None
+    checkpoint = config["checkpoint"]
+    assert (checkpoint["at_steps"], checkpoint["every_n_train_steps"]) == ([200, 300, 400, 800], 0)

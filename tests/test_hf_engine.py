@@ -23,7 +23,7 @@ def learner_logprobs(model, groups, pad_id, temperature=1.0):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_match_the_learner_at_the_sampling_temperature(tiny_model, char_tokenizer, temperature):
-    engine = HFEngine(tiny_model, char_tokenizer)
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
     groups = engine.generate(PROMPTS, 4, SamplingParams(temperature=temperature, max_new_tokens=6, seed=1))
     batch, lp = learner_logprobs(tiny_model, groups, char_tokenizer.pad_token_id, temperature)
     mask = batch.response_mask
@@ -33,7 +33,7 @@ def test_behaviour_logprobs_match_the_learner_at_the_sampling_temperature(tiny_m
 
 
 def test_groups_are_well_formed(tiny_model, char_tokenizer):
-    engine = HFEngine(tiny_model, char_tokenizer)
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
     assert isinstance(engine, RolloutEngine)
     groups = engine.generate(PROMPTS, 5, SamplingParams(max_new_tokens=4, seed=0))
     assert [g.prompt_id for g in groups] == [0, 1, 2]
@@ -53,7 +53,7 @@ def test_groups_are_well_formed(tiny_model, char_tokenizer):
 
 
 def test_same_seed_same_samples_other_seed_other_samples(tiny_model, char_tokenizer):
-    engine = HFEngine(tiny_model, char_tokenizer)
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
     a = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=5))
     b = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=5))
     c = engine.generate(PROMPTS, 8, SamplingParams(max_new_tokens=6, seed=6))
@@ -62,7 +62,7 @@ def test_same_seed_same_samples_other_seed_other_samples(tiny_model, char_tokeni
 
 
 def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tokenizer):
-    engine = HFEngine(tiny_model, char_tokenizer)
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
     before = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=2))
     new = {name: p.detach() + 0.5 * torch.randn_like(p) for name, p in tiny_model.named_parameters()}
     engine.load_weights(new.items(), version=7)
@@ -81,7 +81,7 @@ def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tok
 
 
 def test_greedy_is_deterministic_across_seeds(tiny_model, char_tokenizer):
-    engine = HFEngine(tiny_model, char_tokenizer)
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
     a = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.0, max_new_tokens=5, seed=1))
     b = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.0, max_new_tokens=5, seed=2))
     for x, y in zip(a, b, strict=True):
@@ -90,7 +90,7 @@ def test_greedy_is_deterministic_across_seeds(tiny_model, char_tokenizer):
 
 
 def test_engine_batches_large_requests_without_changing_groups(tiny_model, char_tokenizer):
-    small = HFEngine(tiny_model, char_tokenizer, batch_rows=4)  # one prompt x 4 samples per generate call
+    small = HFEngine.from_model(tiny_model, char_tokenizer, batch_rows=4)  # one prompt x 4 samples per generate call
     groups = small.generate(PROMPTS, 4, SamplingParams(max_new_tokens=5, seed=3))
     assert [g.prompt_id for g in groups] == [0, 1, 2]
     batch, lp = learner_logprobs(tiny_model, groups, char_tokenizer.pad_token_id)

@@ -12,16 +12,17 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from run_helpers import fit, records, write_config
+from run_helpers import component, fit, records, write_config
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.live import THREAD_PREFIX, LiveSchedule, RolloutWorkerError
-from lit_gmc.data.tasks import TASKS, AdditionTask
+from lit_gmc.data.live import THREAD_PREFIX, Live, RolloutWorkerError
+from lit_gmc.data.tasks import Addition
 
 
 class VersionedGroups:
@@ -52,7 +53,7 @@ class VersionedGroups:
         return [groups]
 
 
-def drive(schedule: LiveSchedule, producer: VersionedGroups, steps: int | None = None, learn_s: float = 0.0):
+def drive(schedule: Live, producer: VersionedGroups, steps: int | None = None, learn_s: float = 0.0):
     """Learner loop: take a batch, 'train', publish the next version."""
     consumed = []
     try:
@@ -89,7 +90,7 @@ def child_processes() -> list[int]:
 @pytest.mark.parametrize(("batch", "chunk", "workers"), [(3, 2, 1), (4, 4, 1), (4, 1, 3), (5, 3, 2)])
 def test_lossless_in_claim_order_and_chunks_never_span_updates(batch, chunk, workers):
     producer = VersionedGroups(pause_s=0.001)
-    consumed = drive(LiveSchedule(7, batch, workers=workers, chunk_prompts=chunk), producer)
+    consumed = drive(Live(workers=workers, chunk_prompts=chunk).plan(7, batch), producer)
     ids = [gid for step in consumed for gid, _ in step]
     assert sorted(ids) == list(range(7 * batch))  # everything claimed is consumed, once
     if workers == 1:
@@ -104,14 +105,14 @@ def test_lossless_in_claim_order_and_chunks_never_span_updates(batch, chunk, wor
 
 def test_one_update_can_mix_versions():
     producer = VersionedGroups(pause_s=0.002)
-    consumed = drive(LiveSchedule(20, 4, chunk_prompts=1), producer, learn_s=0.004)
+    consumed = drive(Live(chunk_prompts=1).plan(20, 4), producer, learn_s=0.004)
     assert any(len({d for _, d in step}) > 1 for step in consumed)
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 def test_max_staleness_bounds_every_delay_with_one_worker(staleness):
     producer = VersionedGroups()  # generation far faster than learning: without a gate delays would grow
-    consumed = drive(LiveSchedule(25, 3, chunk_prompts=2, max_staleness=staleness), producer, learn_s=0.003)
+    consumed = drive(Live(chunk_prompts=2, max_staleness=staleness).plan(25, 3), producer, learn_s=0.003)
     delays = [d for step in consumed for _, d in step]
     assert max(delays) <= staleness
     assert max(delays) == staleness  # the gate holds workers back only as far as needed
@@ -119,13 +120,13 @@ def test_max_staleness_bounds_every_delay_with_one_worker(staleness):
 
 def test_without_a_gate_fast_workers_run_ahead():
     producer = VersionedGroups()
-    consumed = drive(LiveSchedule(25, 3), producer, learn_s=0.003)
+    consumed = drive(Live().plan(25, 3), producer, learn_s=0.003)
     assert max(d for step in consumed for _, d in step) > 3
 
 
 def test_state_round_trip_loses_and_repeats_nothing(tmp_path):
     producer = VersionedGroups(pause_s=0.002)
-    first = LiveSchedule(12, 3, chunk_prompts=2)
+    first = Live(chunk_prompts=2).plan(12, 3)
     head = drive(first, producer, steps=5)
     state = first.state_dict()  # taken while the worker runs: waits for its current call
     first.close()
@@ -133,7 +134,7 @@ def test_state_round_trip_loses_and_repeats_nothing(tmp_path):
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     # What the killed process generated after the snapshot is lost with it; the source rewinds to the snapshot.
     producer.next_id = state["claimed"]
-    resumed = LiveSchedule(12, 3, chunk_prompts=2)
+    resumed = Live(chunk_prompts=2).plan(12, 3)
     resumed.load_state_dict(state)
     tail = drive(resumed, producer)
     ids = [gid for step in head + tail for gid, _ in step]
@@ -141,13 +142,13 @@ def test_state_round_trip_loses_and_repeats_nothing(tmp_path):
 
 
 def test_a_worker_error_reaches_the_learner_with_its_traceback():
-    schedule = LiveSchedule(10, 2, chunk_prompts=1)
+    schedule = Live(chunk_prompts=1).plan(10, 2)
     producer = VersionedGroups(fail_on_call=4)
     started = time.monotonic()
     with pytest.raises(RolloutWorkerError, match="lit_gmc-rollout-worker-0 failed: ValueError: generation exploded"):
         drive(schedule, producer, learn_s=0.01)
     assert time.monotonic() - started < 5
-    schedule = LiveSchedule(2, 1)
+    schedule = Live().plan(2, 1)
     with pytest.raises(RolloutWorkerError) as caught:
         schedule.next_batch(VersionedGroups(fail_on_call=1))
     schedule.close()
@@ -158,24 +159,23 @@ def test_a_worker_error_reaches_the_learner_with_its_traceback():
 
 
 def test_bad_options_are_named():
-    with pytest.raises(ValueError, match=r"--data\.workers=0.*--data\.chunk_prompts=0.*--data\.max_staleness=-1"):
-        LiveSchedule(5, 2, workers=0, chunk_prompts=0, max_staleness=-1)
+    with pytest.raises(ValueError, match=r"Live options: workers=0.*chunk_prompts=0.*max_staleness=-1"):
+        Live(workers=0, chunk_prompts=0, max_staleness=-1)
 
 
 # ---- the tiny actor, for real -------------------------------------------------------------------------
 
 
-class ExplodingAddition(AdditionTask):
+class ExplodingAddition(Addition):
     """The addition task whose scorer fails on its fourth call: the failure happens inside a rollout worker."""
 
-    name = "exploding_addition"
     failed_at: float | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
 
-    def score(self, completions, answer):
+    def score(self, completions: Sequence[str], answer: str) -> list[float]:
         self.calls += 1
         if self.calls == 4:
             type(self).failed_at = time.monotonic()
@@ -203,7 +203,7 @@ def restore_sigint():
 
 def test_tiny_live_run_consumes_every_chunk_and_leaves_no_thread(tmp_path):
     before = child_processes()
-    fit(write_config(tmp_path, "live", total=6, schedule="live", chunk_prompts=1))
+    fit(write_config(tmp_path, "live", total=6, schedule=component("Live", chunk_prompts=1)))
     rec = records(tmp_path / "live")
     assert sorted(rec) == list(range(6))
     # B = 2 chunks of one prompt per update, one worker: update n consumes chunks 2n and 2n + 1
@@ -212,9 +212,9 @@ def test_tiny_live_run_consumes_every_chunk_and_leaves_no_thread(tmp_path):
     assert child_processes() == before
 
 
-def test_tiny_live_worker_error_stops_fit_within_seconds(tmp_path, monkeypatch):
-    monkeypatch.setitem(TASKS, "exploding_addition", ExplodingAddition)
-    config = write_config(tmp_path, "boom", total=50, schedule="live", chunk_prompts=1, task="exploding_addition")
+def test_tiny_live_worker_error_stops_fit_within_seconds(tmp_path):
+    config = write_config(tmp_path, "boom", total=50, schedule=component("Live", chunk_prompts=1),
+                          task={"class_path": "test_live.ExplodingAddition"})
     with pytest.raises(RolloutWorkerError, match="ArithmeticError: the scorer exploded on purpose") as caught:
         fit(config)
     assert time.monotonic() - ExplodingAddition.failed_at < 5.0
@@ -225,7 +225,7 @@ def test_tiny_live_worker_error_stops_fit_within_seconds(tmp_path, monkeypatch):
 
 def test_tiny_live_ctrl_c_leaves_no_thread(tmp_path, restore_sigint):
     before = child_processes()
-    config = write_config(tmp_path, "int", total=30, schedule="live", chunk_prompts=1)
+    config = write_config(tmp_path, "int", total=30, schedule=component("Live", chunk_prompts=1))
     with pytest.raises(SystemExit):  # Lightning turns Ctrl-C into a graceful shutdown and exit(1)
         fit(config, callbacks=[InterruptAt(2)])
     assert not our_threads()

@@ -4,11 +4,11 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.data.math_data import (
     INSTRUCTION,
     WORKED_EXAMPLES,
-    MathTask,
+    DataSource,
+    MathScorer,
     answer_region,
     build_prompt,
     load_math_train,
@@ -16,7 +16,8 @@ from lit_gmc.data.math_data import (
     make_prompts,
     truncate_prompt,
 )
-from lit_gmc.data.tasks import TASKS
+from lit_gmc.data.math_task import Math
+from lit_gmc.data.tasks import Task
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,23 @@ def test_prompt_is_two_shot_and_ends_with_the_problem():
 def test_answer_region_stops_at_an_invented_next_problem():
     assert answer_region(" x = \\boxed{7}.\n\nProblem: next\nSolution: \\boxed{9}") == " x = \\boxed{7}.\n"
     assert answer_region("no next problem \\boxed{3}") == "no next problem \\boxed{3}"
+
+
+# Answers the question (7), then invents a next problem and boxes its answer (9).
+INVENTS_A_PROBLEM = "$3+4=7$, so \\boxed{7}.\n\nProblem: What is $4+5$?\nSolution: $4+5=9$, so \\boxed{9}."
+
+
+def test_the_paper_scores_the_last_box_of_the_whole_completion():
+    paper, cut = MathScorer(num_workers=1), MathScorer(num_workers=1, cut_at_next_problem=True)
+    try:
+        assert paper.score([INVENTS_A_PROBLEM], "7") == [0.0]  # the last box is the invented problem's
+        assert paper.score([INVENTS_A_PROBLEM], "9") == [1.0]
+        assert cut.score([INVENTS_A_PROBLEM], "7") == [1.0]  # the option reads only the text before "Problem:"
+        assert cut.score([INVENTS_A_PROBLEM], "9") == [0.0]
+        assert paper.score_pairs([("\\boxed{7}", "7")]) == cut.score_pairs([("\\boxed{7}", "7")]) == [1.0]
+    finally:
+        paper.close()
+        cut.close()
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +142,19 @@ def test_malformed_rows_name_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
         load_math_train(broken)
     no_column = write(tmp_path / "nocol.jsonl", [json.dumps({"question": "a", "solution": "s"})])
-    with pytest.raises(ValueError, match="no field 'problem'"):
+    with pytest.raises(ValueError, match="no column 'problem'"):
         load_math_train(no_column)
     with pytest.raises(FileNotFoundError, match="nothere.jsonl"):
-        load_records(str(tmp_path / "nothere.jsonl"), {"problem": str})
+        load_records(DataSource(str(tmp_path / "nothere.jsonl")), {"problem": str})
+
+
+def test_load_records_renames_columns_to_our_fields(tmp_path):
+    path = write(tmp_path / "q.jsonl", [json.dumps({"question": "a", "solution": "s", "extra": 1})])
+    source = DataSource(path, {"problem": "question"})
+    assert load_records(source, {"problem": str, "solution": str}) == [{"problem": "a", "solution": "s"}]
+    bad = write(tmp_path / "bad.jsonl", [json.dumps({"question": 3, "solution": "s"})])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'problem' \(column 'question'\) must be str, got int"):
+        load_records(DataSource(bad, {"problem": "question"}), {"problem": str})
 
 
 def test_rows_without_a_braced_box_are_dropped_and_counted(tmp_path):
@@ -138,48 +165,64 @@ def test_rows_without_a_braced_box_are_dropped_and_counted(tmp_path):
     assert [(p.id, p.answer) for p in data.problems] == [(0, "1"), (2, "")]
 
 
-def test_math_task_is_registered_and_scores_with_math_verify(tmp_path):
-    assert TASKS["math"] is MathTask
+def test_math_task_scores_the_last_box_with_math_verify(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps({"problem": "Half of one?", "solution": "\\boxed{\\frac{1}{2}}"})])
-    task = MathTask(path=path, test_path=None, verifier_workers=1)
+    task = Math(path=path, verifier_workers=1)
     try:
+        assert isinstance(task, Task)
         (prompt,) = task.train_prompts()
         assert prompt.text == build_prompt("Half of one?") and prompt.answer == "\\frac{1}{2}"
         completions = ["so \\boxed{0.5}", "\\boxed{1/2}\nProblem: x \\boxed{3}", "\\boxed{2}", "no box"]
-        assert task.score(completions, prompt.answer) == [1.0, 1.0, 0.0, 0.0]
-        assert task.test_prompts() == []
+        # The paper's rule: the last box of the whole completion, so an invented next problem's box counts.
+        assert task.score(completions, prompt.answer) == [1.0, 0.0, 0.0, 0.0]
     finally:
-        task.scorer.close()
+        task.close()
+    cut = Math(path=path, verifier_workers=1, cut_at_next_problem=True)
+    try:
+        assert cut.score(completions, prompt.answer) == [1.0, 1.0, 0.0, 0.0]  # the deviation, as an option
+    finally:
+        cut.close()
 
 
 def test_math_task_test_prompts_are_math500(shared_data):
-    task = MathTask(path=str(shared_data / "math_train.jsonl"), test_path=str(shared_data / "math500_test.jsonl"))
+    task = Math(path=str(shared_data / "math_train.jsonl"), test_path=str(shared_data / "math500_test.jsonl"))
     test = task.test_prompts()
     first = json.loads((shared_data / "math500_test.jsonl").open().readline())
     assert len(test) == 500 and test[0].text == build_prompt(first["problem"]) and test[0].answer == first["answer"]
     train_problems = {p.text for p in task.train_prompts()}
     assert not train_problems & {p.text for p in test}
+    task.close()
+
+
+def test_math_task_counts_prompt_tokens_with_the_engines_tokenizer(tmp_path, char_tokenizer):
+    rows = [json.dumps({"problem": "x" * 300, "solution": "\\boxed{1}"})]
+    task = Math(path=write(tmp_path / "t.jsonl", rows), max_prompt_tokens=40, verifier_workers=1)
+    with pytest.raises(RuntimeError, match="max_prompt_tokens needs a tokenizer"):
+        task.train_prompts()
+    task.setup(char_tokenizer)
+    (prompt,) = task.train_prompts()
+    assert len(char_tokenizer(prompt.text)["input_ids"]) == 40
+    task.close()
+    with pytest.raises(ValueError, match=r"Math options: max_prompt_tokens=0 must be >= 1.*verifier_workers=0"):
+        Math(path=str(tmp_path / "t.jsonl"), max_prompt_tokens=0, verifier_workers=0)
 
 
 def test_datamodule_builds_the_math_task_with_truncated_prompts(shared_data, char_tokenizer):
-    dm = RolloutDataModule(
-        actor="tiny", task="math", delay=0, group_size=2, batch_prompts=2, max_new_tokens=4, total_updates=1,
-        task_options={"path": str(shared_data / "math_train.jsonl"), "max_prompt_tokens": 40, "test_path": None,
-                      "verifier_workers": 1},
-    )  # fmt: skip
-    assert len(dm.task.train_prompts()) == 7496
-    assert all(len(char_tokenizer(p.text)["input_ids"]) <= 40 for p in dm.task.train_prompts()[:200])
-    dm.setup("fit")
+    from lit_gmc.data.datamodule import RolloutDataModule
+    from lit_gmc.data.engines import HFEngine
+    from lit_gmc.data.schedules import FixedDelay
+
+    task = Math(path=str(shared_data / "math_train.jsonl"), max_prompt_tokens=40, verifier_workers=1)
+    dm = RolloutDataModule(task, HFEngine(), FixedDelay(0), actor="tiny", group_size=2, batch_prompts=2,
+                           max_new_tokens=4, total_updates=1)  # fmt: skip
+    dm.setup("fit")  # the task counts tokens with the engine's tokenizer (the tiny actor's characters)
     try:
+        assert len(dm.task.train_prompts()) == 7496
+        assert all(len(char_tokenizer(p.text)["input_ids"]) <= 40 for p in dm.task.train_prompts()[:200])
         assert dm.rollout_engine is dm.engine is not None
         batch = dm.next_batch()
         assert batch.rewards.shape == (4,) and set(batch.rewards.tolist()) <= {0.0, 1.0}
         assert batch.input_ids.shape[1] <= 40 + 4
     finally:
         dm.teardown("fit")
-        dm.task.scorer.close()
-
-
-def test_datamodule_rejects_unknown_task_options():
-    with pytest.raises(ValueError, match=r"--data.task_options=.*do not fit task 'addition'"):
-        RolloutDataModule(task="addition", task_options={"path": "x.jsonl"})
+        task.close()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from run_helpers import (
     assert_same_records,
+    component,
     fit,
     fit_command,
     records,
@@ -26,9 +27,9 @@ from run_helpers import (
 
 TOTAL, EVERY = 9, 3
 SCHEDULES = {
-    "fixed_delay": {"schedule": "fixed_delay", "delay": 3},
-    "virtual_clock": {"schedule": "virtual_clock", "lam": 120.0},
-    "virtual_clock_overlap": {"schedule": "virtual_clock", "lam": 120.0, "overlap": True},
+    "fixed_delay": {"schedule": component("FixedDelay", delay=3)},
+    "virtual_clock": {"schedule": component("VirtualClock", lam=120.0, overlap=False)},
+    "virtual_clock_overlap": {"schedule": component("VirtualClock", lam=120.0, overlap=True)},
 }
 
 
@@ -65,7 +66,7 @@ def test_crash_and_resume_gives_the_unbroken_records(tmp_path, schedule):
 
 
 def test_live_resume_loses_and_repeats_no_batch(tmp_path):
-    config = write_config(tmp_path, "live", total=TOTAL, every=EVERY, schedule="live")
+    config = write_config(tmp_path, "live", total=TOTAL, every=EVERY, schedule=component("Live"))
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(config, callbacks=[CrashAt(EVERY + 2)])
     fit(config, "--ckpt_path", "last")
@@ -78,7 +79,7 @@ def test_live_resume_loses_and_repeats_no_batch(tmp_path):
 def test_kill_9_then_ckpt_path_last_gives_the_unbroken_records(tmp_path):
     """A virtual_clock run killed with SIGKILL mid-way and resumed with ``--ckpt_path last`` from the shell."""
     total = 12
-    options = {"schedule": "virtual_clock", "lam": 120.0}
+    options = {"schedule": component("VirtualClock", lam=120.0)}
     unbroken = run_subprocess(write_config(tmp_path, "unbroken", total=total, every=EVERY, **options))
     assert unbroken.returncode == 0, unbroken.stderr[-3000:]
     config = write_config(tmp_path, "killed", total=total, every=EVERY, **options)
@@ -102,7 +103,22 @@ def test_kill_9_then_ckpt_path_last_gives_the_unbroken_records(tmp_path):
 
 def test_ckpt_path_last_without_a_checkpoint_starts_fresh(tmp_path):
     """``--ckpt_path last`` is safe to always pass: with no checkpoint yet, the run simply starts."""
-    config = write_config(tmp_path, "fresh", total=2, every=EVERY, schedule="fixed_delay", delay=1)
+    config = write_config(tmp_path, "fresh", total=2, every=EVERY, schedule=component("FixedDelay", delay=1))
     fit(config, "--ckpt_path", "last")
     assert sorted(records(tmp_path / "fresh")) == [0, 1]
     assert Path(tmp_path / "fresh" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_finished_run_resumed_with_more_steps_continues_its_schedule(tmp_path):
+    """The planned updates come from this run's config: a 4-step run resumed with max_steps 7 takes 3 more.
+
+    The finished run drained its FIFO, so the extension refills it from its current policy, as a run starts."""
+    config = write_config(tmp_path, "extend", total=4, every=2, schedule=component("FixedDelay", delay=2))
+    fit(config)
+    fit(config, "--trainer.max_steps", "7", "--ckpt_path", "last")
+    rec = records(tmp_path / "extend")
+    assert sorted(rec) == list(range(7))
+    # every launch consumed once, in order; the delays of a start (0, 1, then D = 2), twice
+    assert [rec[s]["schedule/batch_id"] for s in range(7)] == [float(s) for s in range(7)]
+    assert [rec[s]["delay/max"] for s in range(7)] == [0.0, 1.0, 2.0, 2.0, 0.0, 1.0, 2.0]
+    assert [rec[s]["schedule/draining"] for s in range(7)] == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules import FixedDelaySchedule, SyncSchedule, build_schedule
+from lit_gmc.data.schedules import FixedDelay, Sync
 
 
 class VersionedProducer:
@@ -47,7 +47,7 @@ def run(schedule, producer: VersionedProducer):
 def test_fixed_delay_is_exactly_d_after_the_fill_and_drains_at_the_end(delay):
     total = 20
     producer = VersionedProducer()
-    records = run(FixedDelaySchedule(delay, total), producer)
+    records = run(FixedDelay(delay).plan(total), producer)
     assert len(records) == total
     delays = [r["step"] - r["version"] for r in records]
     assert delays[:delay] == list(range(delay))  # fill: all from theta_0, consumed at steps 0..D-1
@@ -63,7 +63,7 @@ def test_fixed_delay_is_exactly_d_after_the_fill_and_drains_at_the_end(delay):
 
 def test_fixed_delay_longer_than_the_run_uses_only_the_fill():
     producer = VersionedProducer()
-    records = run(FixedDelaySchedule(50, 5), producer)
+    records = run(FixedDelay(50).plan(5), producer)
     assert producer.calls == [(0, 5)]
     assert [r["step"] - r["version"] for r in records] == [0, 1, 2, 3, 4]
 
@@ -72,7 +72,7 @@ def test_fixed_delay_longer_than_the_run_uses_only_the_fill():
 def test_sync_gives_delays_zero_to_k_minus_one(inner):
     total = 10
     producer = VersionedProducer()
-    records = run(SyncSchedule(inner, total), producer)
+    records = run(Sync(inner).plan(total), producer)
     delays = [r["step"] - r["version"] for r in records]
     assert delays == [i % inner for i in range(total)]
     # one generation round per K updates, all from the version at the start of the round; the last is cut short
@@ -82,20 +82,35 @@ def test_sync_gives_delays_zero_to_k_minus_one(inner):
 
 def test_schedule_state_round_trips_mid_run():
     producer = VersionedProducer()
-    schedule = FixedDelaySchedule(3, 12)
+    schedule = FixedDelay(3).plan(12)
     first = [schedule.next_batch(producer)[0][0].batch_id for _ in range(5)]
     producer.version = 5
     state = schedule.state_dict()
-    resumed = FixedDelaySchedule(3, 12)
+    resumed = FixedDelay(3).plan(12)
     resumed.load_state_dict(state)
     rest_a = [resumed.next_batch(producer)[0][0].batch_id for _ in range(7)]
     assert first + rest_a == list(range(12))
 
 
 def test_bad_schedule_arguments_are_named():
-    with pytest.raises(ValueError, match="delay must be >= 0"):
-        FixedDelaySchedule(-1, 5)
-    with pytest.raises(ValueError, match="inner_steps"):
-        SyncSchedule(0, 5)
-    with pytest.raises(ValueError, match="unknown schedule 'async'"):
-        build_schedule("async", delay=0, inner_steps=1, total_updates=3)
+    with pytest.raises(ValueError, match="FixedDelay options: delay=-1 must be >= 0"):
+        FixedDelay(-1)
+    with pytest.raises(ValueError, match="Sync options: inner_steps=0 must be >= 1"):
+        Sync(0)
+    with pytest.raises(ValueError, match="total_updates must be >= 1"):
+        FixedDelay(2).plan(0)
+
+
+def test_the_plan_comes_from_the_run_not_the_checkpoint():
+    """A resumed schedule keeps this run's planned updates: a longer run continues, a shorter one stops."""
+    producer = VersionedProducer()
+    first = FixedDelay(2).plan(6)
+    for _ in range(4):
+        first.next_batch(producer)
+        producer.version += 1
+    longer = FixedDelay(2).plan(10)
+    longer.load_state_dict(first.state_dict())
+    assert (longer.step, longer.total_updates, longer.remaining) == (4, 10, 6)
+    shorter = FixedDelay(2).plan(4)
+    shorter.load_state_dict(first.state_dict())
+    assert shorter.exhausted

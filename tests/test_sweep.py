@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from test_plots import load_script
 
 from lit_gmc.tblog import read_scalars
@@ -36,18 +37,28 @@ def test_run_config_sets_the_axes_and_keeps_rule_defaults(tmp_path):
                                           "--set", "data.batch_prompts=2"))  # fmt: skip
     config = sweep.run_config(spec, tmp_path)
     assert config["seed_everything"] == 1 and config["data"]["seed"] == 1
-    assert config["data"] == {"schedule": "fixed_delay", "delay": 32, "group_size": 4, "seed": 1, "batch_prompts": 2}
+    fixed_delay = {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 32}}
+    assert config["data"] == {"schedule": fixed_delay, "group_size": 4, "seed": 1, "batch_prompts": 2}
     assert config["model"]["correction"] == "grpo" and config["model"]["eps"] is None  # GRPO keeps its clip 0.2
     assert config["model"]["aggregation"] is None
     classes = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
-    assert classes == ["WeightSync", "DelayAccounting", "Diagnostics", "ModelCheckpoint"]
-    assert config["trainer"]["callbacks"][-1]["init_args"]["dirpath"] == str(tmp_path / "checkpoints")
+    assert classes == ["WeightSync", "DelayAccounting", "Diagnostics"]
+    assert config["checkpoint"]["dirpath"] == str(tmp_path / "checkpoints")
+
+
+def test_d0_is_the_papers_synchronous_protocol(tmp_path):
+    """D = 0 of the fixed-delay suite is Algorithm 1 with 4 inner steps, not one on-policy update per batch."""
+    (spec,) = sweep.expand_grid(grid_args("--methods", "gmc", "--delays", "0", "--seeds", "0"))
+    sync = {"class_path": "lit_gmc.data.schedules.Sync", "init_args": {"inner_steps": 4}}
+    assert sweep.run_config(spec, tmp_path)["data"]["schedule"] == sync
+    fragment = yaml.safe_load((REPO / "configs" / "experiment" / "fixed_delay_d0.yaml").read_text())
+    assert fragment["data"]["schedule"] == sync
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--set", "data.delay=3"], "data.delay is a grid axis"),
+        (["--set", "data.schedule.init_args.delay=3"], "data.schedule.init_args.delay is a grid axis"),
         (["--set", "lr"], "expected SECTION.KEY=VALUE"),
         (["--max-steps", "5"], "--max-steps=5 must be a multiple of --checkpoint-every=2"),
         (["--delays", "-1"], "--delays: -1 must be >= 0"),

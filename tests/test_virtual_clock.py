@@ -13,10 +13,11 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from run_helpers import fit, records, write_config
+from run_helpers import component, fit, records, write_config
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules import VirtualClockSchedule, batch_from_state, batch_state, mean_completion_length
+from lit_gmc.data.schedules import batch_from_state, batch_state
+from lit_gmc.data.virtual_clock import VirtualClock, launch_bound, mean_completion_length
 
 
 def make_batch(version: int, batch_id: int, length: int, rows: int = 2) -> list[RolloutGroup]:
@@ -45,7 +46,7 @@ class LengthProducer:
         return out
 
 
-def drive(schedule: VirtualClockSchedule, producer) -> list[dict]:
+def drive(schedule: VirtualClock, producer) -> list[dict]:
     records_ = []
     step = 0
     while not schedule.exhausted:
@@ -79,7 +80,7 @@ def test_hand_computed_sequence():
     # visible at t=20 and consumed at step 0. Step 1 (t=21): launch #2 (ready 31), t=31: #0 and #2 are both
     # visible, #0 completed first. Step 2 (t=32): #2.
     producer = LengthProducer([3, 1, 1])
-    out = drive(VirtualClockSchedule(3, c_gen=10, lam=10, c_update=1), producer)
+    out = drive(VirtualClock(c_gen=10, lam=10, c_update=1).plan(3), producer)
     assert [(r["id"], r["version"]) for r in out] == [(1, 0), (0, 0), (2, 1)]
     assert [r["launches"] for r in out] == [2.0, 1.0, 0.0]
     assert [r["clock"] for r in out] == [20.0, 31.0, 32.0]
@@ -95,7 +96,7 @@ def test_matches_the_event_by_event_reference(seed):
     total = rng.randint(1, 60)
     lengths = [rng.randint(1, 40) for _ in range(500)]
     producer = LengthProducer(lengths)
-    out = drive(VirtualClockSchedule(total, c_gen=c_gen, lam=lam, c_update=c_update, max_launches=500), producer)
+    out = drive(VirtualClock(c_gen=c_gen, lam=lam, c_update=c_update, max_launches=500).plan(total), producer)
     want, launched = reference_clock(lengths, total, c_gen, lam, c_update)
     assert [(r["step"], r["id"], r["version"]) for r in out] == want
     # lossless: every launch consumed exactly once
@@ -108,7 +109,7 @@ def test_steady_state_delay_matches_lam_mean_length_over_costs(mean_length):
     rng = random.Random(0)
     lengths = [rng.randint(mean_length // 3, 5 * mean_length // 3) for _ in range(4000)]  # E[L] = mean_length
     producer = LengthProducer(lengths)
-    out = drive(VirtualClockSchedule(3000, c_gen=85, lam=28, c_update=1, max_launches=1000), producer)
+    out = drive(VirtualClock(c_gen=85, lam=28, c_update=1, max_launches=1000).plan(3000), producer)
     delays = [r["step"] - r["version"] for r in out[1000:-1000]]  # away from the warm-up and the drain
     predicted = 28 * mean_length / (85 + 1)
     # Updates are discrete: a batch is consumed at the first update after it completes, and its own launch
@@ -119,14 +120,14 @@ def test_steady_state_delay_matches_lam_mean_length_over_costs(mean_length):
 
 def test_warm_up_launches_from_theta_0_until_one_is_visible():
     producer = LengthProducer([20] * 100)  # each batch needs 20 * 28 = 560 = 6.6 launches to complete
-    out = drive(VirtualClockSchedule(30, c_gen=85, lam=28, c_update=1), producer)
+    out = drive(VirtualClock(c_gen=85, lam=28, c_update=1).plan(30), producer)
     assert out[0]["launches"] == 7.0 and out[0]["version"] == 0  # 7 launches from theta_0 at step 0
     assert all(r["launches"] <= 1 for r in out[1:])  # then at most the one launch that exposes the next
 
 
 def test_drain_stops_launching_when_everything_needed_is_in_flight():
     producer = LengthProducer([20] * 100)
-    out = drive(VirtualClockSchedule(5, c_gen=85, lam=28, c_update=1), producer)
+    out = drive(VirtualClock(c_gen=85, lam=28, c_update=1).plan(5), producer)
     assert producer.launched == 5  # the warm-up would want 7, but only 5 updates are planned
     assert [r["draining"] for r in out] == [1.0] * 5
     assert [r["in_flight"] for r in out] == [4.0, 3.0, 2.0, 1.0, 0.0]
@@ -134,13 +135,28 @@ def test_drain_stops_launching_when_everything_needed_is_in_flight():
 
 def test_max_launches_is_a_clear_error():
     producer = LengthProducer([100] * 100)
-    with pytest.raises(RuntimeError, match=r"10 launches at step 0 .*--data\.max_launches"):
-        VirtualClockSchedule(50, c_gen=85, lam=28, c_update=1, max_launches=10).next_batch(producer)
+    with pytest.raises(RuntimeError, match=r"10 launches at step 0 .*--data\.schedule\.max_launches to at least 33"):
+        VirtualClock(c_gen=85, lam=28, c_update=1, max_launches=10).plan(50).next_batch(producer)
+
+
+def test_a_long_completion_warm_up_fits_under_the_launch_bound():
+    """Qwen3-length first batches (all 4,096 tokens): 400 launches cannot expose one, the bound always does."""
+    lam, c_gen, budget = 28.0, 85.0, 4096
+    bound = launch_bound(lam, c_gen, budget)
+    assert bound == 1351  # ceil(28 * 4096 / 85) + 1, the value configs/experiment/simulated_async.yaml sets
+    message = r"400 launches .*at least 1350.*ceil\(28 \* --data.max_new_tokens / 85\) \+ 1"
+    with pytest.raises(RuntimeError, match=message):
+        VirtualClock(c_gen=c_gen, lam=lam, max_launches=400).plan(2000).next_batch(LengthProducer([budget] * 2000))
+    batch, info = VirtualClock(c_gen=c_gen, lam=lam, max_launches=bound).plan(2000).next_batch(
+        LengthProducer([budget] * 2000)
+    )
+    assert info["launches"] == 1350  # launched at 0, 85, ...: the first is visible at 28 * 4096 = 114,688
+    assert info["clock"] >= lam * budget and batch[0].batch_id == 0
 
 
 def test_bad_constants_are_named():
-    with pytest.raises(ValueError, match=r"--data\.c_gen=0 must be > 0.*--data\.max_launches=0"):
-        VirtualClockSchedule(5, c_gen=0, max_launches=0)
+    with pytest.raises(ValueError, match=r"VirtualClock options: c_gen=0 must be > 0.*max_launches=0"):
+        VirtualClock(c_gen=0, max_launches=0)
 
 
 class ThreadedProducer(LengthProducer):
@@ -163,8 +179,8 @@ class ThreadedProducer(LengthProducer):
 def test_background_generation_gives_the_same_sequence(seed):
     rng = random.Random(seed)
     lengths = [rng.randint(1, 30) for _ in range(300)]
-    plain = drive(VirtualClockSchedule(80, c_gen=40, lam=60, c_update=1), LengthProducer(lengths))
-    threaded = drive(VirtualClockSchedule(80, c_gen=40, lam=60, c_update=1), ThreadedProducer(lengths, seed))
+    plain = drive(VirtualClock(c_gen=40, lam=60, c_update=1).plan(80), LengthProducer(lengths))
+    threaded = drive(VirtualClock(c_gen=40, lam=60, c_update=1).plan(80), ThreadedProducer(lengths, seed))
     assert plain == threaded
 
 
@@ -182,7 +198,7 @@ def test_a_fresh_launch_is_not_waited_for_when_it_cannot_be_visible_yet():
         never_done.append(future)
         return [future]
 
-    schedule = VirtualClockSchedule(10, c_gen=85, lam=100, c_update=1)
+    schedule = VirtualClock(c_gen=85, lam=100, c_update=1).plan(10)
     started = time.monotonic()
     batch, info = schedule.next_batch(produce)  # launches #0 (t=0, ready 100) and #1 (t=85); #0 visible at 170
     assert time.monotonic() - started < 1.0
@@ -193,9 +209,9 @@ def test_a_fresh_launch_is_not_waited_for_when_it_cannot_be_visible_yet():
 def test_state_round_trip_keeps_in_flight_batches_and_the_clock():
     rng = random.Random(1)
     lengths = [rng.randint(1, 30) for _ in range(300)]
-    unbroken = drive(VirtualClockSchedule(40, c_gen=20, lam=30, c_update=1), LengthProducer(lengths))
+    unbroken = drive(VirtualClock(c_gen=20, lam=30, c_update=1).plan(40), LengthProducer(lengths))
     producer = LengthProducer(lengths)
-    first = VirtualClockSchedule(40, c_gen=20, lam=30, c_update=1)
+    first = VirtualClock(c_gen=20, lam=30, c_update=1).plan(40)
     head = []
     for step in range(17):
         batch, info = first.next_batch(producer)
@@ -203,7 +219,7 @@ def test_state_round_trip_keeps_in_flight_batches_and_the_clock():
         producer.version = step + 1
     state = first.state_dict()
     assert state["entries"], "the test should cut the run with batches in flight"
-    resumed = VirtualClockSchedule(40, c_gen=20, lam=30, c_update=1)
+    resumed = VirtualClock(c_gen=20, lam=30, c_update=1).plan(40)
     resumed.load_state_dict(state)
     tail = drive(resumed, producer)
     for r in tail:
@@ -213,12 +229,12 @@ def test_state_round_trip_keeps_in_flight_batches_and_the_clock():
 
 def test_state_is_plain_and_loads_with_weights_only(tmp_path):
     producer = LengthProducer([5] * 50)
-    schedule = VirtualClockSchedule(20, c_gen=10, lam=30, c_update=1)
+    schedule = VirtualClock(c_gen=10, lam=30, c_update=1).plan(20)
     for _ in range(3):
         schedule.next_batch(producer)
     torch.save(schedule.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
-    again = VirtualClockSchedule(20, c_gen=10, lam=30, c_update=1)
+    again = VirtualClock(c_gen=10, lam=30, c_update=1).plan(20)
     again.load_state_dict(state)
     assert again.clock == schedule.clock and again.in_flight == schedule.in_flight
 
@@ -232,9 +248,9 @@ def test_batch_state_round_trip_and_mean_length():
 
 def test_tiny_run_is_identical_with_and_without_overlap(tmp_path):
     """Real tiny actor: same consumed batch ids, launch versions, rewards and losses with overlap on and off."""
-    options = {"schedule": "virtual_clock", "lam": 120.0}  # lam > c_gen, so the overlap thread runs ahead
-    fit(write_config(tmp_path, "on", total=8, overlap=True, **options))
-    fit(write_config(tmp_path, "off", total=8, overlap=False, **options))
+    # lam > c_gen, so the overlap thread runs ahead
+    fit(write_config(tmp_path, "on", total=8, schedule=component("VirtualClock", lam=120.0, overlap=True)))
+    fit(write_config(tmp_path, "off", total=8, schedule=component("VirtualClock", lam=120.0, overlap=False)))
     on, off = records(tmp_path / "on"), records(tmp_path / "off")
     assert sorted(on) == list(range(8))
     assert on == off

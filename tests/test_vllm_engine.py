@@ -21,10 +21,10 @@ from conftest import make_tiny_model
 from test_hf_engine import PROMPTS, learner_logprobs
 
 from lit_gmc.actor import TinyRecipe, build_tiny_model
-from lit_gmc.data.datamodule import BehaviorRecompute, validate_engine_options
 from lit_gmc.data.engines import HFEngine, RolloutEngine, SamplingParams
+from lit_gmc.data.recompute import BehaviorRecompute
 from lit_gmc.data.tasks import Prompt
-from lit_gmc.data.vllm_engine import INSTALL_HINT, VLLMOptions, import_vllm, request_seed, with_tied_head
+from lit_gmc.data.vllm_engine import INSTALL_HINT, import_vllm, request_seed, with_tied_head
 from lit_gmc.tblog import read_scalars
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -49,7 +49,8 @@ def saved_actor(tmp_path_factory, char_tokenizer):
 def shared_engine(saved_actor, char_tokenizer):
     from lit_gmc.data.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(saved_actor[0]), char_tokenizer)
+    engine = VLLMEngine()
+    engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
     yield engine
     engine.close()
 
@@ -175,7 +176,10 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
             {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"}],
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": "tb"}}},
-        "data": {"engine": "vllm", "delay": 0, "batch_prompts": 4, "recompute_behavior_logprobs": True},
+        "data": {"engine": {"class_path": "lit_gmc.data.vllm_engine.VLLMEngine"},
+                 "schedule": {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 0}},
+                 "batch_prompts": 4, "recompute_behavior_logprobs": True},
+        "checkpoint": {"every_n_train_steps": 0, "save_last": False, "save_top_k": 0},
     }))  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--config", str(config)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600, env={**os.environ})  # fmt: skip
@@ -196,8 +200,9 @@ def test_dedicated_layout_syncs_through_shared_memory(saved_actor, char_tokenize
     """The engine in its own process (the layout of vLLM on its own GPUs) receives weights as a file in /dev/shm."""
     from lit_gmc.data.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(saved_actor[0]), char_tokenizer, VLLMOptions(layout="dedicated"))
+    engine = VLLMEngine(layout="dedicated")
     try:
+        engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
         new = perturbed(saved_actor[1], seed=5)
         engine.load_weights(new.named_parameters(), 1)
         groups = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=5))
@@ -210,26 +215,26 @@ def test_dedicated_layout_syncs_through_shared_memory(saved_actor, char_tokenize
 # ---- no vLLM needed ----
 
 
-def test_options_are_checked_with_their_flag_names():
-    assert validate_engine_options("vllm", None) == []
-    assert validate_engine_options("vllm", {"layout": "dedicated", "devices": "1,2"}) == []  # CUDA checked later
-    problems = validate_engine_options("vllm", {"layuot": "colocated", "gpu_memory_utilization": 0})
-    assert len(problems) == 2 and "layuot" in problems[0] and "--data.engine_options" in problems[0]
-    assert "gpu_memory_utilization=0 must be in (0, 1]" in problems[1]
-    problems = validate_engine_options("vllm", {"tensor_parallel_size": 2, "gpu_memory_utilization": 1.5})
-    assert any("tensor_parallel_size=2 needs layout=dedicated" in p for p in problems)
-    assert any("gpu_memory_utilization=1.5" in p for p in problems)
-    assert validate_engine_options("hf", {"batch_rows": 64}) == []
-    assert "do not fit engine 'hf'" in validate_engine_options("hf", {"layout": "colocated"})[0]
+def test_options_are_checked_with_their_names_in_one_message():
+    from lit_gmc.data.vllm_engine import VLLMEngine
+
+    assert VLLMEngine(layout="dedicated", devices="1,2").parallel_size == 2  # CUDA is checked when it starts
+    with pytest.raises(ValueError, match=r"VLLMEngine options: .*tensor_parallel_size=2 needs layout=dedicated.*"
+                                         r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
+        VLLMEngine(tensor_parallel_size=2, gpu_memory_utilization=1.5)
 
 
 def test_machine_dependent_options_are_refused_without_cuda():
-    sleepy = VLLMOptions(sleep_between_rollouts=True)
-    assert sleepy.problems(cuda=None) == []
-    assert "cannot sleep on CPU" in sleepy.problems(cuda=False)[0]
-    pinned = VLLMOptions(layout="dedicated", devices="1")
-    assert "needs layout=dedicated on a machine with CUDA" in pinned.problems(cuda=False)[0]
-    assert VLLMOptions(layout="dedicated", devices="1,2").parallel_size == 2
+    from lit_gmc.data.vllm_engine import VLLMEngine
+
+    def problems(cuda, **options):
+        merged = {"layout": "colocated", "devices": None, "tensor_parallel_size": None, "sleep_between_rollouts": False,
+                  "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": None, **options}  # fmt: skip
+        return VLLMEngine.option_problems(**merged, cuda=cuda)
+
+    assert problems(None, sleep_between_rollouts=True) == []
+    assert "cannot sleep on CPU" in problems(False, sleep_between_rollouts=True)[0]
+    assert "needs layout=dedicated on a machine with CUDA" in problems(False, layout="dedicated", devices="1")[0]
 
 
 def test_missing_vllm_names_the_install_command(monkeypatch):
@@ -260,7 +265,7 @@ def test_recompute_replaces_engine_logprobs_with_the_learner_ones(char_tokenizer
     """At top-p 0.8 the engine's log-probs (renormalised over the nucleus) differ from the learner's; the wrapper
     swaps in the learner's (same function, same weights and dtype, same version) and reports the gap it removed."""
     model = make_tiny_model(char_tokenizer)
-    engine = HFEngine(model.to(torch.bfloat16), char_tokenizer)
+    engine = HFEngine.from_model(model.to(torch.bfloat16), char_tokenizer)
     wrapped = BehaviorRecompute(engine, make_tiny_model(char_tokenizer, seed=9), char_tokenizer.pad_token_id)
     new = perturbed(make_tiny_model(char_tokenizer), seed=6).to(torch.bfloat16)
     wrapped.load_weights(new.named_parameters(), 2)

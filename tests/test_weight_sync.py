@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from run_helpers import tiny_data
 
 from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.module import GMCModule
 
 
@@ -26,7 +26,7 @@ def make_trainer(tmp_path, callbacks, max_steps: int, **kwargs) -> pl.Trainer:
 
 def make_pair(actor: str, steps: int):
     module = GMCModule(actor=actor, max_response_length=4, lr=1e-3)
-    data = RolloutDataModule(actor=actor, schedule="fixed_delay", delay=1, group_size=4, batch_prompts=4,
+    data = tiny_data(1, actor=actor, group_size=4, batch_prompts=4,
                              max_new_tokens=4, total_updates=steps)  # fmt: skip
     return module, data
 

@@ -1,0 +1,39 @@
+"""What every data component (delay schedule, rollout engine, task) shares: one way to check its options.
+
+A component is built by LightningCLI from ``class_path`` + ``init_args`` and takes only its own arguments.
+It validates them in a static ``option_problems`` whose parameters are named like its init args; the
+constructor raises through :func:`check_options`, and the CLI calls :func:`component_problems` on the
+parsed config, so that one message names every bad option of a run before anything is built.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+
+def check_options(owner: str, problems: list[str]) -> None:
+    """Raise one ``ValueError`` listing every problem with ``owner``'s options; return if there is none."""
+    if problems:
+        raise ValueError(f"invalid {owner} options: " + "; ".join(problems))
+
+
+def component_problems(cls: type, init_args: Mapping[str, Any], flag: str) -> list[str]:
+    """Problems of a component of class ``cls`` built with ``init_args``, each prefixed with its ``flag``.
+
+    Init args that are not given take the constructor's defaults; a class without ``option_problems`` (e.g. a
+    user's task) has nothing to report here and validates itself when it is built.
+    """
+    check = getattr(cls, "option_problems", None)
+    if check is None:
+        return []
+    defaults = {
+        name: p.default for name, p in inspect.signature(cls).parameters.items() if p.default is not p.empty
+    }
+    values = {**defaults, **dict(init_args)}
+    names = [name for name, p in inspect.signature(check).parameters.items() if p.default is p.empty]
+    if not set(names) <= set(values):  # a subclass with other init args (it validates itself when built)
+        return []
+    problems = check(**{name: values[name] for name in inspect.signature(check).parameters if name in values})
+    return [f"{flag}.{problem}" for problem in problems]

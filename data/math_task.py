@@ -1,0 +1,101 @@
+"""``Math``: the paper's training task as a component (``data.task: Math``): MATH prompts, math-verify reward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lit_gmc.data.components import check_options
+from lit_gmc.data.math_data import MathScorer, load_math_train, load_tokenizer, make_prompts
+from lit_gmc.data.tasks import Prompt, Task
+
+
+class Math(Task):
+    r"""MATH training prompts (two-shot), MATH-500 as held-out prompts, and the paper's math-verify reward.
+
+    The reward is 1 when the last complete ``\boxed{}`` of a completion is equivalent to the reference under
+    math-verify, else 0 (see :class:`~lit_gmc.data.math_data.MathScorer`).
+
+    Args:
+        path: MATH training data: ``null`` for the default hub source, or a local JSON/JSONL file or dataset
+            folder with ``problem`` and ``solution`` (e.g. ``../shared/data/math_train.jsonl``).
+        test_path: Held-out prompts: ``null`` for MATH-500 from its default hub source, or a local file or
+            folder; loaded on first use (evaluation), never for training.
+        max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning.
+            ``null`` keeps prompts whole.
+        tokenizer: Tokenizer (actor name or path) that counts prompt tokens; ``null``: the rollout engine's, so
+            the budget is counted in the tokens the engine will see.
+        split: Split of a hub or folder training dataset (``null``: the source's own).
+        config: Config of a hub training dataset (``null``: the source's own).
+        verifier_workers: Processes that run math-verify.
+        verify_timeout_s: Wall-clock bound on checking one response; a slower check scores 0.
+        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line, a deviation from
+            the paper (which scores the last box of the whole completion); off by default.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        test_path: str | None = None,
+        max_prompt_tokens: int | None = None,
+        tokenizer: str | None = None,
+        split: str | None = None,
+        config: str | None = None,
+        verifier_workers: int = 2,
+        verify_timeout_s: float = 10.0,
+        cut_at_next_problem: bool = False,
+    ) -> None:
+        check_options("Math", self.option_problems(max_prompt_tokens, verifier_workers, verify_timeout_s))
+        self.max_prompt_tokens = max_prompt_tokens
+        self.test_path = test_path
+        self.data = load_math_train(path, split=split, config=config)  # loaded now: a bad file fails at start-up
+        self._triples = [(p.id, p.problem, p.answer) for p in self.data.problems]
+        self.tokenizer: Any = load_tokenizer(tokenizer) if tokenizer is not None else None
+        self._train: list[Prompt] | None = None
+        self._test: list[Prompt] | None = None
+        self.scorer = MathScorer(verifier_workers, verify_timeout_s, cut_at_next_problem=cut_at_next_problem)
+
+    @staticmethod
+    def option_problems(max_prompt_tokens: int | None, verifier_workers: int, verify_timeout_s: float) -> list[str]:
+        """Every problem with the options, named by their init args."""
+        problems = []
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            problems.append(f"max_prompt_tokens={max_prompt_tokens} must be >= 1 (or null: whole prompts)")
+        if verifier_workers < 1:
+            problems.append(f"verifier_workers={verifier_workers} must be >= 1")
+        if not verify_timeout_s > 0:
+            problems.append(f"verify_timeout_s={verify_timeout_s} must be > 0")
+        return problems
+
+    def setup(self, tokenizer: Any) -> None:
+        """Count prompt tokens with the engine's ``tokenizer`` unless the ``tokenizer`` option names another."""
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer
+
+    def _prompts(self, triples: Sequence[tuple[int, str, str]]) -> list[Prompt]:
+        if self.max_prompt_tokens is not None and self.tokenizer is None:
+            raise RuntimeError("Math: max_prompt_tokens needs a tokenizer: give the option, or call setup(tokenizer)")
+        return make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
+
+    def train_prompts(self) -> Sequence[Prompt]:
+        """Two-shot prompts of the kept training rows, in file order."""
+        if self._train is None:
+            self._train = self._prompts(self._triples)
+        return self._train
+
+    def test_prompts(self) -> Sequence[Prompt]:
+        """MATH-500 prompts (same template and truncation), loaded on first call."""
+        if self._test is None:
+            from lit_gmc.data.benchmarks import load_benchmark
+
+            items = load_benchmark("math500", source=self.test_path).items
+            self._test = self._prompts([(i, item.problem, item.answer) for i, item in enumerate(items)])
+        return self._test
+
+    def score(self, completions: Sequence[str], answer: str) -> list[float]:
+        """1.0 per completion whose last box is equivalent to ``answer`` under math-verify, else 0.0."""
+        return self.scorer.score(completions, answer)
+
+    def close(self) -> None:
+        """Stop the verifier's worker processes."""
+        self.scorer.close()
