@@ -266,16 +266,27 @@ class Evaluation(pl.Callback):
             out.write_text(json.dumps(entry, indent=2))
         return results
 
-    def _maybe_run(self, trainer: pl.Trainer) -> None:
+    def _maybe_run(self, trainer: pl.Trainer, after_update: bool = False) -> None:
         step = trainer.global_step
-        if self.due(step) and step not in self.evaluated_steps:
-            self.run(trainer)
+        if not self.due(step) or step in self.evaluated_steps:
+            return
+        if after_update and getattr(self.engine, "version", step) != step:
+            return  # the new weights are not published yet (a sync callback after this one): next batch start
+        self.run(trainer)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._maybe_run(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Right after the update, before Lightning's checkpoint callbacks (which it always runs last): a checkpoint
+        # taken at this step then holds this evaluation in its history, and a run resumed from it does not redo it.
+        self._maybe_run(trainer, after_update=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -78,11 +78,16 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # < 2**30, leaving room for + i
 
 
-def checkpoint_dtype(model_path: str) -> str:
-    """The dtype the checkpoint's config declares (vLLM's own ``auto`` would turn float32 into bfloat16 on CPU)."""
+def checkpoint_config(model_path: str):
+    """The transformers config of the checkpoint."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
+    return AutoConfig.from_pretrained(model_path)
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """The dtype the checkpoint's config declares (vLLM's own ``auto`` would turn float32 into bfloat16 on CPU)."""
+    config = checkpoint_config(model_path)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     return str(dtype).removeprefix("torch.")
 
@@ -255,6 +260,13 @@ class VLLMEngine(RolloutEngine):
             "logprobs_mode": "processed_logprobs",
             "disable_log_stats": True,
         }
+        if not cuda:
+            # A prompt prefilled in chunks has its partial-prefill samples discarded and each request's seeded
+            # generator rewound; CPU generators cannot rewind ("does not use offset"), so on CPU every prompt is
+            # prefilled whole (long prompts, e.g. MATH's two-shot ones, would otherwise kill the engine).
+            kwargs["enable_chunked_prefill"] = False
+            longest = opts.max_model_len or checkpoint_config(model_path).max_position_embeddings
+            kwargs["max_num_batched_tokens"] = longest
         if opts.devices is None:
             return self.vllm.LLM(**kwargs)
         # The engine process inherits the environment at spawn: it sees only ``devices``; this one is unchanged.

@@ -17,6 +17,11 @@ Runs not marked done in the manifest are left out and listed. Outputs:
   ``--doc FILE`` also replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE
   (``NAME`` from ``--block``, default ``tables``).
 
+The paper's per-benchmark tables (Tables 1, 3 and 5) and the A-3PO figure (Figure 6) come from the sibling
+``scripts/tables.py``, which loads runs with :func:`load_sweep` or, for runs launched directly with
+``python -m lit_gmc fit`` (one logger folder per run, ``version_*`` folders for its resumptions), with
+:func:`load_run_folders` (their ``config.yaml`` gives the parameters; see :func:`run_parameters`).
+
 Example::
 
     python scripts/plots.py --sweep runs/study --out docs/figures/tiny --doc docs/results_tiny.md
@@ -28,6 +33,7 @@ import argparse
 import json
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
+import yaml  # noqa: E402
 
 from lit_gmc.callbacks.diagnostics import centred_rolling_mean  # noqa: E402
 from lit_gmc.tblog import read_scalars  # noqa: E402
@@ -43,7 +50,8 @@ from lit_gmc.tblog import read_scalars  # noqa: E402
 WINDOW = 25
 FINAL_UPDATES = 25
 """The final training reward is the mean over the last this many updates (one update's 64 samples are noisy)."""
-REWARD_TAGS = ("diag/reward/mean", "train/reward")
+# The first tag a run has wins: the final names first, then the names older logs used.
+REWARD_TAGS = ("train/reward", "diag/reward/mean")
 ENTROPY_TAGS = ("diag/entropy/mean", "train/entropy")
 DIAGNOSTICS = (("diag/tic/dropped_fraction", "TIC-dropped trajectories", "mean"),
                ("diag/gmc/rescaled_fraction", "GMC-rescaled groups", "mean"),
@@ -52,25 +60,38 @@ DIAGNOSTICS = (("diag/tic/dropped_fraction", "TIC-dropped trajectories", "mean")
                ("diag/log_rho/abs_mean", "mean abs log ratio", "mean"),
                ("diag/corr/log_rho_vs_length", "corr(log ratio, length)", "mean"))  # fmt: skip
 """Table 2: (tag, column, how the run's per-update values are summarised); the removed mass is heavy-tailed."""
-METHOD_ORDER = ("grpo", "tic", "gmc")
+METHOD_ORDER = ("grpo", "tic", "vcpo", "gac", "a3po", "gmc")
+"""Row and legend order: baselines first, GMC last; other rules follow in name order."""
+LABELS = {"a3po": "A-3PO"}
+"""Display names that are not the rule's name in capitals."""
+MODEL_KEYS = ("actor", "model")
+"""Manifest fields naming a run's model, tried before ``overrides["model.actor"]`` and the run's config.json."""
 
 
 @dataclass
 class Run:
-    """One finished run: its grid parameters, scalar series and evaluations by step."""
+    """One finished run: its grid parameters, scalar series and evaluations by step.
+
+    ``model`` is the actor the run trained (``""`` when the manifest and config do not name one). ``delay`` is
+    the fixed delay D (0 for ``Sync``); a run loaded from its own folder without a fixed delay (``VirtualClock``,
+    ``Live``) has ``None`` there (a sweep's such runs sit at 0), and ``schedule`` names its schedule class
+    (``""`` for a sweep's runs).
+    """
 
     name: str
     method: str
-    delay: int
+    delay: int | None
     group_size: int
     seed: int
     eps_schedule: str
     scalars: dict[str, list[tuple[int, float]]] = field(repr=False)
     evals: dict[int, dict[str, Any]] = field(repr=False)
+    model: str = ""
+    schedule: str = ""
 
     @property
     def label(self) -> str:
-        return self.method.upper() + (" + Cor. 1" if self.eps_schedule == "corollary1" else "")
+        return LABELS.get(self.method, self.method.upper()) + (" + Cor. 1" if self.eps_schedule == "corollary1" else "")
 
     def series(self, tags: tuple[str, ...]) -> list[tuple[int, float]]:
         for tag in tags:
@@ -121,12 +142,185 @@ def load_sweep(sweep: Path) -> tuple[list[Run], list[str]]:
         if info.get("status") != "done":
             missing.append(name)
             continue
-        evals = {}
-        for path in (run_dir / "eval").glob("step_*.json"):
-            entry = json.loads(path.read_text())
-            evals[int(entry["step"])] = entry
-        runs.append(Run(name, info["method"], int(info["delay"]), int(info["group_size"]), int(info["seed"]),
-                        info.get("eps_schedule", "constant"), read_scalars(run_dir), evals))  # fmt: skip
+        evals = read_evals(run_dir)
+        # A run without a fixed delay (a virtual-clock schedule) sits at D = 0 in the delay grid's figures.
+        delay = int(info.get("delay") or 0)
+        runs.append(Run(name, info["method"], delay, int(info["group_size"]), int(info["seed"]),
+                        info.get("eps_schedule", "constant"), read_scalars(run_dir), evals,
+                        model_of(info, run_dir)))  # fmt: skip
+    return runs, missing
+
+
+def model_of(info: dict[str, Any], run_dir: Path) -> str:
+    """The actor a run trained: a manifest field, its ``--set model.actor`` override, or its config.json.
+
+    Returns ``""`` when none names it (the embedded default's actor), so such runs form one group.
+    """
+    for key in MODEL_KEYS:
+        if info.get(key):
+            return str(info[key])
+    actor = info.get("overrides", {}).get("model.actor")
+    if actor is None and (run_dir / "config.json").exists():
+        actor = json.loads((run_dir / "config.json").read_text()).get("model", {}).get("actor")
+    return str(actor or "")
+
+
+def read_evals(folder: Path) -> dict[int, dict[str, Any]]:
+    """``{step: entry}`` of the ``eval/step_<n>.json`` files in ``folder`` (empty when there are none)."""
+    evals = {}
+    for path in (folder / "eval").glob("step_*.json"):
+        entry = json.loads(path.read_text())
+        evals[int(entry["step"])] = entry
+    return evals
+
+
+VERSION = re.compile(r"version_(\d+)")
+"""A TensorBoardLogger version folder; a resumed run writes the next one under the same logger name."""
+NO_FIXED_DELAY = ("VirtualClock", "Live")
+"""Schedules whose delays the run decides (the simulated-async suite, live rollouts): no D, ``delay/mean`` instead."""
+
+
+def version_dirs(run_dir: Path) -> list[Path]:
+    """The ``version_<n>`` folders of a logger folder, oldest (smallest n) first."""
+    found = [p for p in run_dir.iterdir() if p.is_dir() and VERSION.fullmatch(p.name)] if run_dir.is_dir() else []
+    return sorted(found, key=lambda p: int(VERSION.fullmatch(p.name).group(1)))
+
+
+def find_run_folders(root: Path) -> list[Path]:
+    """Every logger folder under ``root`` (``root`` itself included) that has a ``version_<n>/config.yaml``."""
+    found = {p.parent.parent for p in Path(root).rglob("version_*/config.yaml") if VERSION.fullmatch(p.parent.name)}
+    return sorted(found)
+
+
+def config_value(config: dict[str, Any], key: str, where: Path) -> Any:
+    """``config[a][b]...`` for ``key = "a.b..."``; a ValueError naming ``where`` when it is missing."""
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{where} has no {key}: is it the config.yaml LightningCLI saved for a lit_gmc run?")
+        value = value[part]
+    return value
+
+
+def run_parameters(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The :class:`Run` fields a LightningCLI ``config.yaml`` of ``python -m lit_gmc fit`` sets.
+
+    ``method`` is ``model.correction``, ``model`` is ``model.actor``, ``seed`` is ``seed_everything`` (else
+    ``data.seed``), ``group_size`` is ``data.group_size``, ``eps_schedule`` is ``model.eps_schedule``
+    (``constant`` when absent) and ``delay`` is ``FixedDelay``'s ``delay``, 0 for ``Sync`` (the paper's D = 0
+    protocol) and ``None`` for any other schedule (``VirtualClock``, ``Live``: the delays are measured, not set).
+    """
+    schedule = config_value(config, "data.schedule", where)
+    if not isinstance(schedule, dict) or "class_path" not in schedule:
+        raise ValueError(f"{where}: data.schedule is not a class_path + init_args mapping: {schedule!r}")
+    kind = str(schedule["class_path"]).rsplit(".", 1)[-1]
+    if kind == "FixedDelay":
+        delay = int(config_value(config, "data.schedule.init_args.delay", where))
+    else:
+        delay = 0 if kind == "Sync" else None
+    seed = config.get("seed_everything")
+    if not isinstance(seed, int) or isinstance(seed, bool):  # null / false: the run was not seeded globally
+        seed = config_value(config, "data.seed", where)
+    model = config.get("model") or {}
+    return {"method": str(config_value(config, "model.correction", where)), "delay": delay,
+            "group_size": int(config_value(config, "data.group_size", where)), "seed": int(seed),
+            "eps_schedule": str(model.get("eps_schedule") or "constant"), "model": str(model.get("actor") or ""),
+            "schedule": kind}  # fmt: skip
+
+
+def load_run_folder(run_dir: Path, name: str | None = None) -> tuple[Run, str | None]:
+    """One run launched with the CLI, from its logger folder (``runs/simulated_async/qwen3_4b_tic``).
+
+    Every ``version_<n>`` folder is a stretch of the same run (a resumption writes the next one): their scalars
+    are merged, a later version winning a step both logged, and so are their ``eval/step_<n>.json`` files. The
+    parameters come from the newest ``config.yaml`` (:func:`run_parameters`); every version's must agree on them.
+
+    Returns:
+        The run, and ``None`` when it finished or ``"name (u/N updates)"`` when its logs stop before
+        ``trainer.max_steps`` (within ``trainer.log_every_n_steps``).
+    """
+    run_dir = Path(run_dir)
+    versions = version_dirs(run_dir)
+    configs = [(v, yaml.safe_load((v / "config.yaml").read_text())) for v in versions if (v / "config.yaml").exists()]
+    if not configs:
+        raise FileNotFoundError(f"{run_dir} has no version_<n>/config.yaml: give the logger folder of a run "
+                                "launched with `lit_gmc fit` (runs/simulated_async/qwen3_4b_gmc)")  # fmt: skip
+    params = [(v, run_parameters(config, v / "config.yaml")) for v, config in configs]
+    newest = params[-1][1]
+    for v, other in params[:-1]:
+        changed = {k: (other[k], newest[k]) for k in newest if other[k] != newest[k]}
+        if changed:
+            raise ValueError(f"{run_dir}: {v.name} and {params[-1][0].name} are not the same run ({changed}); "
+                             "give them separate logger names")  # fmt: skip
+    merged: dict[str, dict[int, float]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    for v in versions:  # oldest first: a later version overwrites the steps it repeats
+        try:
+            part = read_scalars(v)
+        except FileNotFoundError:  # a version that stopped before logging anything
+            part = {}
+        for tag, points in part.items():
+            merged.setdefault(tag, {}).update(points)
+        evals.update(read_evals(v))
+    if not merged:
+        raise FileNotFoundError(f"no TensorBoard event files under {run_dir}'s version folders")
+    scalars = {tag: sorted(points.items()) for tag, points in merged.items()}
+    name = name or run_dir.name
+    run = Run(name, newest["method"], newest["delay"], newest["group_size"], newest["seed"], newest["eps_schedule"],
+              scalars, evals, newest["model"], newest["schedule"])  # fmt: skip
+    trainer = configs[-1][1].get("trainer") or {}
+    max_steps, every = trainer.get("max_steps"), trainer.get("log_every_n_steps") or 1
+    last = max([step for points in merged.values() for step in points] + list(evals))
+    if isinstance(max_steps, int) and max_steps > 0 and last + every < max_steps:
+        return run, f"{name} ({last + 1}/{max_steps} updates)"
+    return run, None
+
+
+def load_run_folders(run_dirs: Iterable[Path], include_unfinished: bool = False) -> tuple[list[Run], list[str]]:
+    """Runs launched with the CLI (:func:`load_run_folder`), and the unfinished ones, left out unless included.
+
+    A run is named by its logger folder, or by the whole path where two folders share a name.
+    """
+    dirs = list(dict.fromkeys(Path(d).resolve() for d in run_dirs))
+    names = [d.name for d in dirs]
+    runs, missing = [], []
+    for run_dir in dirs:
+        run, unfinished = load_run_folder(run_dir, run_dir.name if names.count(run_dir.name) == 1 else str(run_dir))
+        if unfinished is not None:
+            missing.append(unfinished)
+        if unfinished is None or include_unfinished:
+            runs.append(run)
+    return runs, ([] if include_unfinished else missing)
+
+
+def add_run_sources(parser: argparse.ArgumentParser) -> None:
+    """``--sweep``, ``--runs``, ``--runs-root`` and ``--include-unfinished`` (read back by :func:`load_sources`)."""
+    parser.add_argument("--sweep", default=None, help="sweep folder written by scripts/sweep.py")
+    parser.add_argument("--runs", nargs="+", default=[], metavar="DIR",
+                        help="logger folders of runs launched with `python -m lit_gmc fit` (e.g. "
+                             "runs/simulated_async/qwen3_4b_gmc); their version_* folders are one run")  # fmt: skip
+    parser.add_argument("--runs-root", nargs="+", default=[], metavar="ROOT",
+                        help="folders searched for such logger folders (any with a version_*/config.yaml)")  # fmt: skip
+    parser.add_argument("--include-unfinished", action="store_true",
+                        help="keep --runs/--runs-root runs whose logs stop before trainer.max_steps")  # fmt: skip
+
+
+def load_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Run], list[str]]:
+    """The runs of ``--sweep``, ``--runs`` and ``--runs-root`` together, and those left out (see :func:`main`)."""
+    if not (args.sweep or args.runs or args.runs_root):
+        parser.error("give --sweep, --runs or --runs-root")
+    runs, missing = load_sweep(Path(args.sweep)) if args.sweep else ([], [])
+    folders = [Path(d) for d in args.runs]
+    for root in map(Path, args.runs_root):
+        found = find_run_folders(root)
+        if not found:
+            parser.error(f"--runs-root {root}: no logger folder with a version_*/config.yaml under it")
+        folders += found
+    if folders:
+        more, left_out = load_run_folders(folders, args.include_unfinished)
+        runs, missing = runs + more, missing + left_out
+    if not runs:
+        parser.error(f"no finished runs (not finished: {', '.join(missing) or 'none'})")
     return runs, missing
 
 
