@@ -40,8 +40,9 @@ class Live(DelaySchedule):
     Workers generate exactly ``total_updates * B`` groups (the plan, see :meth:`DelaySchedule.plan`).
 
     Args:
-        workers: Worker threads. More than one helps only with an engine that serves concurrent requests
-            (the HF engine generates one call at a time).
+        workers: Worker threads. Both engines generate one call at a time, so a second worker overlaps the
+            scoring (e.g. math-verify) and collation of one call with the generation of the next; more than two
+            help only an engine that serves concurrent requests.
         chunk_prompts: Prompts per generation call (``None``: ``B``). A call never spans two updates, so with
             ``chunk_prompts < B`` one update mixes groups generated at different versions.
         max_staleness: Optional admission gate, off by default: a worker claims prompts only if they will be

@@ -1,4 +1,4 @@
-"""``python -m lit_gmc fit --config configs/tiny.yaml``: train with LightningCLI; ``export``: checkpoint to HF folder."""
+"""``python -m lit_gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``export``: checkpoint to HF folder."""
 
 import sys
 

@@ -7,7 +7,7 @@ log-probs and versions, and new weights leave through the ``WeightSync`` callbac
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -24,8 +24,12 @@ from lit_gmc.logprobs import response_logprobs
 # Rules whose eps Corollary 1's rate is derived for: GMC's group-mass cap. TIC also has a 1 + eps cap, but it removes
 # the mass of trajectories with rho > 1 + eps, a different bias term with no derived rate (see lit_gmc.eps_schedules).
 CAPPED_RULES = ("gmc",)
-AGGREGATIONS = ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
-OPTIMIZERS = ("adamw", "adamw8bit")
+Aggregation = Literal["seq_sum_over_T", "token_mean", "seq_mean_token_mean"]
+Optimizer = Literal["adamw", "adamw8bit"]
+DType = Literal["float32", "bfloat16", "float64"]
+EpsSchedule = Literal["constant", "corollary1"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -118,8 +122,8 @@ class GMCModule(pl.LightningModule):
         actor: str = "tiny",
         correction: str = "gmc",
         eps: float | None = None,
-        aggregation: str | None = None,
-        eps_schedule: str = "constant",
+        aggregation: Aggregation | None = None,
+        eps_schedule: EpsSchedule = "constant",
         eps_scale: float = 0.375,
         eps_min: float = 0.05,
         eps_max: float = 2.0,
@@ -129,12 +133,12 @@ class GMCModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         warmup_fraction: float = 0.0,
-        optimizer: str = "adamw",
+        optimizer: Optimizer = "adamw",
         max_grad_norm: float | None = 1.0,
         micro_batch_groups: int = 8,
         logit_chunk_tokens: int = 512,
         gradient_checkpointing: bool = False,
-        dtype: str = "float32",
+        dtype: DType = "float32",
     ) -> None:
         super().__init__()
         problems = validate_model_args(

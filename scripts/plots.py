@@ -555,11 +555,16 @@ def main(argv: list[str] | None = None) -> list[Path]:
         parser.error(f"no finished runs in {args.sweep} (not finished: {', '.join(missing) or 'none'})")
     out = Path(args.out)
     written = figure_pass_at_1(runs, out) + figure_entropy(runs, out) + figure_reward_by_group_size(runs, out)
-    text = tables(runs, missing)
-    (out / "tables.md").write_text(text)
-    written.append(out / "tables.md")
-    if args.doc:
-        update_doc(Path(args.doc), text, args.block)
+    return write_outputs(out, "tables.md", tables(runs, missing), written, args.doc, args.block)
+
+
+def write_outputs(out: Path, name: str, text: str, written: list[Path], doc: str | None, block: str) -> list[Path]:
+    """Write the tables ``text`` to ``out/name``, into ``doc``'s ``block`` when given; print every file written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(text)
+    written = [*written, out / name]
+    if doc:
+        update_doc(Path(doc), text, block)
     for path in written:
         print(path)
     return written

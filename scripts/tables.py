@@ -77,7 +77,7 @@ from plots import (  # noqa: E402
     markdown_table,
     save,
     seed_mean,
-    update_doc,
+    write_outputs,
 )
 
 from lit_gmc.callbacks.diagnostics import centred_rolling_mean  # noqa: E402
@@ -296,15 +296,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     runs, missing = load_sources(parser, args)
     out = Path(args.out)
     written = figure_a3po(runs, out)
-    text = tables(runs, missing)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "paper_tables.md").write_text(text)
-    written.append(out / "paper_tables.md")
-    if args.doc:
-        update_doc(Path(args.doc), text, args.block)
-    for path in written:
-        print(path)
-    return written
+    return write_outputs(out, "paper_tables.md", tables(runs, missing), written, args.doc, args.block)
 
 
 if __name__ == "__main__":

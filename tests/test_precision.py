@@ -59,13 +59,18 @@ LOSES_UPDATE = 0.5  # bf16 parameters: only |w| < ~2.4e-4 can move (measured: ~2
 BNB_INSTALL = 'pip install -e ".[vllm]"'
 
 
+def saved_actor(tmp_path_factory, tokenizer, hidden: int) -> Path:
+    """A random 2-layer Qwen3 (init std 0.02) of width ``hidden`` saved with its tokenizer, in fp32."""
+    path = tmp_path_factory.mktemp(f"precision_actor_{hidden}")
+    make_tiny_model(tokenizer, hidden=hidden).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def actor_dir(tmp_path_factory, char_tokenizer) -> Path:
-    """A random 2-layer Qwen3 (hidden 64, init std 0.02) saved with its tokenizer, in fp32."""
-    path = tmp_path_factory.mktemp("precision_actor")
-    make_tiny_model(char_tokenizer, hidden=64).save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
-    return path
+    """Hidden 64."""
+    return saved_actor(tmp_path_factory, char_tokenizer, 64)
 
 
 def rollout_batch(tokenizer, seed: int = 0):
@@ -250,10 +255,7 @@ def test_vllm_engine_receives_bf16_copies_of_fp32_masters(monkeypatch, tiny_mode
 @pytest.fixture(scope="module")
 def wide_actor_dir(tmp_path_factory, char_tokenizer) -> Path:
     """Hidden 128, so the matrices have >= 4,096 elements and bitsandbytes keeps their Adam states in 8 bits."""
-    path = tmp_path_factory.mktemp("precision_wide_actor")
-    make_tiny_model(char_tokenizer, hidden=128).save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
-    return path
+    return saved_actor(tmp_path_factory, char_tokenizer, 128)
 
 
 @pytest.mark.cuda
