@@ -115,14 +115,17 @@ def test_corollary1_is_gmc_only_and_the_refusal_names_the_flags_and_the_reason()
         GMCModule(correction="tic", eps_schedule="corollary1")  # fails before the actor is built
 
 
-def test_cli_rejects_bad_schedule_options_in_one_message():
-    out = subprocess.run(
-        [sys.executable, "-m", "lit_gmc", "fit", "--model.eps_schedule", "adaptive", "--model.eps_min", "0",
-         "--trainer.max_steps", "2"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert out.returncode != 0
-    assert "--model.eps_schedule='adaptive'" in out.stderr and "--model.eps_min=0.0 must be > 0" in out.stderr
+def test_cli_rejects_bad_schedule_options():
+    """A closed choice is refused by the parser (its type is a Literal); range errors by the one-message check."""
+    def fit_with(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args, "--trainer.max_steps", "2"],
+                              capture_output=True, text=True, timeout=180)  # fmt: skip
+
+    choice = fit_with("--model.eps_schedule", "adaptive")
+    assert choice.returncode == 2 and "eps_schedule" in choice.stderr and "corollary1" in choice.stderr
+    ranges = fit_with("--model.eps_schedule", "corollary1", "--model.eps_min", "0", "--model.eps_max", "-1")
+    assert ranges.returncode == 2 and ranges.stderr.count("invalid options") == 1
+    assert "--model.eps_min=0.0 must be > 0" in ranges.stderr and "--model.eps_max=-1.0" in ranges.stderr
 
 
 def test_a_real_run_logs_the_schedule_and_checkpoints_its_moments(tmp_path):

@@ -208,3 +208,32 @@ def test_config_parameters_and_errors(root, tmp_path):
         tables.main(["--out", str(tmp_path)])  # no source
     with pytest.raises(SystemExit):
         tables.main(["--runs-root", str(tmp_path / "nothing"), "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_tables_from_real_tiny_runs(tmp_path, shared_data):
+    """Two real tiny runs (GMC and TIC on the virtual clock, evaluated on the six benchmarks) through the CLI."""
+    from run_helpers import component, fit, write_config
+
+    from lit_gmc.tblog import read_scalars
+
+    evaluation = {"class_path": "lit_gmc.callbacks.evaluation.Evaluation",
+                  "init_args": {"at_steps": [3], "data_dir": str(shared_data), "samples": 2, "max_new_tokens": 4,
+                                "max_prompt_tokens": 60, "max_problems": 1, "verifier_workers": 1}}  # fmt: skip
+    (tmp_path / "suite").mkdir()
+    for rule in ("gmc", "tic"):
+        config = write_config(tmp_path / "suite", f"tiny_{rule}", total=3, extra_callbacks=[evaluation],
+                              schedule=component("VirtualClock", lam=300.0))  # fmt: skip
+        fit(config, "--model.correction", rule)
+    out = tmp_path / "tables"
+    tables.main(["--runs-root", str(tmp_path / "suite"), "--out", str(out)])
+    text = (out / "paper_tables.md").read_text()
+    header, rows = table_rows(text, "Table 1")
+    assert list(rows) == ["TIC", "GMC"]
+    assert len(header) == 1 + 1 + 6 + 1 + 1  # method, seeds, six benchmarks, macro average, average delay
+    for method, cells in rows.items():
+        assert all(" / " in cell for cell in cells[1:8])  # greedy / avg@n of each benchmark and the macro average
+        scalars = read_scalars(tmp_path / "suite" / f"tiny_{method.lower()}")
+        delays = [value for _, value in scalars["delay/mean"]]
+        assert cells[-1] == f"{sum(delays) / len(delays):.1f}"
+    assert (out / "fig6_a3po_reward.png").exists()
