@@ -199,9 +199,10 @@ class RolloutDataModule(pl.LightningDataModule):
         if hp.recompute_behavior_logprobs:
             model, _ = load_actor(resolve_actor_path(hp.actor))
             self.engine = BehaviorRecompute(self.engine, model, self.engine.tokenizer.pad_token_id)
-        if callable(getattr(self.task, "setup", None)):
-            self.task.setup(self.engine.tokenizer)
-        self.stream = PromptStream(self.task.train_prompts(), seed=hp.seed)
+        if self.stream is None:  # once: a second fit with this DataModule continues the prompt order
+            if callable(getattr(self.task, "setup", None)):
+                self.task.setup(self.engine.tokenizer)
+            self.stream = PromptStream(self.task.train_prompts(), seed=hp.seed)
         self.started = True
 
     @property
@@ -214,6 +215,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.stop_background()
         if self.started:
             self.engine.close()
+            if isinstance(self.engine, BehaviorRecompute):
+                self.engine = self.engine.engine  # the component again, so a later setup can start it anew
             self.started = False
 
     @override
