@@ -21,4 +21,5 @@ def test_setup_after_teardown_starts_the_engine_again(recompute):
         prompts.append(batch.info["batch_id"])
         dm.teardown("fit")
         assert dm.rollout_engine is None and not isinstance(dm.engine, BehaviorRecompute)
-    assert prompts == [0.0, 1.0]  # the second setup continues the launches, and with them the prompt stream
+    assert prompts == [0.0, 1.0]  # the second setup continues the launches
+    assert (dm.stream.epoch, dm.stream.position) == (0, 4)  # and the prompt stream: 2 launches of B = 2 prompts
