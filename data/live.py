@@ -5,7 +5,7 @@ buffer in completion order; the learner pops ``B`` groups per update whenever th
 one update may come from different policy versions, so their delays differ. Generation is lossless:
 workers stop once every group the run needs is claimed, and everything claimed is consumed.
 
-Threads never outlive the run: :meth:`LiveSchedule.close` (called by the DataModule's ``teardown`` and
+Threads never outlive the run: :meth:`Live.close` (called by the DataModule's ``teardown`` and
 ``on_exception``) stops and joins them, and a worker's exception is re-raised in the learner's thread at
 its next batch, chained to the original so its traceback is printed.
 """

@@ -32,7 +32,7 @@ class RolloutGroup:
         rewards: ``(G,)`` float rewards, filled in by the task after generation.
         version: Policy version ``s`` (number of optimizer updates) of the weights that sampled it.
         batch_id: Sequential id of the launched batch this group belongs to (-1 when not batched).
-        launched_at: Virtual-clock time at which the batch was launched (None outside virtual_clock).
+        launched_at: Virtual-clock time at which the batch was launched (None outside VirtualClock).
         ready_at: Virtual-clock time at which it becomes visible to the learner.
     """
 

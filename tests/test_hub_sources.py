@@ -163,7 +163,7 @@ def test_math_train_hub_layout_reads_like_the_local_file(shared_data, tmp_path, 
     from_hub = load_math_train()  # the default: config "default", split "train"
     assert (from_hub.rows, len(from_hub.no_answer), len(from_hub.held_out)) == (len(picked), 2, 2)
     assert from_hub == local
-    # MathTask passes its path as a string and split="train"; a folder keeps the spec's config.
+    # Math passes its path as a string and split="train"; a folder keeps the spec's config.
     assert load_math_train(str(folder), split="train") == local
 
 

@@ -168,7 +168,7 @@ class TestVLLMEngine:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
 def test_tiny_fit_with_the_vllm_engine(tmp_path):
-    """``python -m lit_gmc fit --data.engine vllm`` on the tiny default: on-policy rows show the engine and the
+    """``python -m lit_gmc fit --data.engine VLLMEngine`` on the tiny default: on-policy rows show the engine and the
     learner agree after every in-place sync, and the recompute option logs the gap it removes."""
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({
