@@ -27,6 +27,7 @@ with a message naming ``--model.eps_schedule`` and ``--model.correction``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -62,12 +63,12 @@ def validate_eps_schedule_args(*, eps_schedule: str, eps_scale: float, eps_min: 
     problems = []
     if eps_schedule not in EPS_SCHEDULES:
         problems.append(f"--model.eps_schedule={eps_schedule!r} is not one of {', '.join(EPS_SCHEDULES)}")
-    if not eps_scale > 0:
-        problems.append(f"--model.eps_scale={eps_scale} must be > 0")
+    if not (eps_scale > 0 and math.isfinite(eps_scale)):
+        problems.append(f"--model.eps_scale={eps_scale} must be finite and > 0")
     if not eps_min > 0:
         problems.append(f"--model.eps_min={eps_min} must be > 0")
-    if not eps_max >= eps_min:
-        problems.append(f"--model.eps_max={eps_max} must be >= --model.eps_min={eps_min}")
+    if not (eps_max >= eps_min and math.isfinite(eps_max)):
+        problems.append(f"--model.eps_max={eps_max} must be finite and >= --model.eps_min={eps_min}")
     return problems
 
 

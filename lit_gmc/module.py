@@ -53,8 +53,8 @@ def validate_model_args(
             f"the eps of --model.correction={correction!r}: {why}; use it with --model.correction="
             f"{' or '.join(CAPPED_RULES)}, or keep --model.eps_schedule=constant"
         )
-    if eps is not None and not eps > 0:
-        problems.append(f"--model.eps={eps} must be > 0")
+    if eps is not None and not (eps > 0 and math.isfinite(eps)):
+        problems.append(f"--model.eps={eps} must be finite and > 0 (an infinite cap turns GMC or TIC into plain IS)")
     if aggregation is not None and aggregation not in AGGREGATIONS:
         problems.append(f"--model.aggregation={aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
     if not lr > 0:

@@ -52,15 +52,26 @@ def test_scaling_laws_and_clip():
     [
         ({"tau4": -1.0}, "tau4 must be >= 0"),
         ({"total_updates": 0}, "total_updates must be >= 1"),
-        ({"c": 0.0}, "--model.eps_scale=0.0 must be > 0"),
+        ({"c": 0.0}, "--model.eps_scale=0.0 must be finite and > 0"),
+        ({"c": float("inf")}, "--model.eps_scale=inf must be finite and > 0"),
         ({"eps_min": 0.0}, "--model.eps_min=0.0 must be > 0"),
-        ({"eps_max": 0.01}, "--model.eps_max=0.01 must be >= --model.eps_min=0.05"),
+        ({"eps_max": 0.01}, "--model.eps_max=0.01 must be finite and >= --model.eps_min=0.05"),
+        ({"eps_max": float("inf")}, "--model.eps_max=inf must be finite"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
     args = {"tau4": 1.0, "total_updates": 10, "c": 1.0, "eps_min": 0.05, "eps_max": 2.0, **kwargs}
     with pytest.raises(ValueError, match=message):
         corollary1_eps(**args)
+
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), 0.0, -0.1])
+def test_the_threshold_must_be_finite_and_positive(eps):
+    """An infinite 1 + eps cap would silently turn GMC and TIC into unclipped IS."""
+    from lit_gmc.module import validate_model_args
+
+    (problem,) = validate_model_args(**{**MODEL_ARGS, "correction": "gmc", "eps": eps})
+    assert f"--model.eps={eps} must be finite and > 0" in problem
 
 
 def test_validation_collects_every_problem():
