@@ -220,6 +220,8 @@ def _read_table(source: DataSource) -> Any:
     # A hub name never starts with "/" or ".": such a path is a missing folder, not something to look up online.
     if (is_file and not path.is_file()) or (source.path.startswith(("/", ".")) and not path.exists()):
         raise FileNotFoundError(f"data not found: {source.path} (resolved to {path.resolve()})")
+    if is_file and not any(line.strip() for line in path.open(encoding="utf-8", errors="replace")):
+        raise ValueError(f"{source.path}: the file has no rows")  # datasets would end in a bare StopIteration
     try:
         if is_file:
             return datasets.load_dataset("json", data_files=str(path), split="train")
@@ -252,6 +254,9 @@ def load_records(source: DataSource, fields: Mapping[str, type | tuple[type, ...
             line (the row number for a hub dataset or folder).
     """
     table = _read_table(source)
+    if table.num_rows == 0:
+        config = f"config {source.config!r}, " if source.config else ""
+        raise ValueError(f"{source.path} ({config}split {source.split!r}) has no rows")
     columns = {name: source.column(name) for name in fields}
     missing = [f"{column!r}" for column in columns.values() if column not in table.column_names]
     if missing:

@@ -226,3 +226,15 @@ def test_datamodule_builds_the_math_task_with_truncated_prompts(shared_data, cha
     finally:
         dm.teardown("fit")
         task.close()
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_an_empty_data_file_is_named(tmp_path, text):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"{path}: the file has no rows"):
+        load_math_train(str(path))
+    from lit_gmc.data.benchmarks import load_benchmark
+
+    with pytest.raises(ValueError, match="the file has no rows"):
+        load_benchmark("amc23", source=str(path))
