@@ -32,8 +32,8 @@ def component_problems(cls: type, init_args: Mapping[str, Any], flag: str) -> li
         name: p.default for name, p in inspect.signature(cls).parameters.items() if p.default is not p.empty
     }
     values = {**defaults, **dict(init_args)}
-    names = [name for name, p in inspect.signature(check).parameters.items() if p.default is p.empty]
-    if not set(names) <= set(values):  # a subclass with other init args (it validates itself when built)
-        return []
-    problems = check(**{name: values[name] for name in inspect.signature(check).parameters if name in values})
+    parameters = inspect.signature(check).parameters
+    if any(p.default is p.empty and name not in values for name, p in parameters.items()):
+        return []  # a subclass with other init args: it validates itself when built
+    problems = check(**{name: values[name] for name in parameters if name in values})
     return [f"{flag}.{problem}" for problem in problems]

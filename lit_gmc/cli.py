@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from importlib.resources import files
@@ -11,9 +12,8 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
-# The built-in components, imported so that their short names resolve (``--data.schedule VirtualClock``).
 from lit_gmc.checkpoint import RunCheckpoint
-from lit_gmc.data import live, math_task, virtual_clock, vllm_engine  # noqa: F401
+from lit_gmc.data import live, math_task, virtual_clock, vllm_engine  # noqa: F401  (short names: VirtualClock, ...)
 from lit_gmc.data.components import component_problems
 from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.eps_schedules import validate_eps_schedule_args
@@ -26,7 +26,7 @@ DATA_COMPONENTS = ("schedule", "engine", "task")
 def import_class(class_path: str) -> type:
     """The class named by a dotted ``class_path``."""
     module, _, name = class_path.rpartition(".")
-    return getattr(__import__(module, fromlist=[name]), name)
+    return getattr(importlib.import_module(module), name)
 
 
 def collect_problems(config: Namespace) -> list[str]:

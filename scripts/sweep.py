@@ -99,11 +99,10 @@ def suite_schedule(delay: int) -> dict[str, Any]:
 
 def build_component(spec: dict[str, Any] | None, default: str) -> Any:
     """The object a config's ``class_path`` + ``init_args`` entry names (``default`` class when absent)."""
-    import importlib
+    from lit_gmc.cli import import_class
 
     spec = spec or {"class_path": default}
-    module, _, name = spec["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+    return import_class(spec["class_path"])(**spec.get("init_args", {}))
 
 
 def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
