@@ -195,6 +195,7 @@ class Evaluation(pl.Callback):
         self._given = {"engine": engine, "tokenizer": tokenizer, "scorer": scorer}
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.suites: list[Suite] = []
+        self.active = True  # False on ranks other than 0 when the engine is the DataModule's (set in setup)
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -222,6 +223,9 @@ class Evaluation(pl.Callback):
         unknown = [name for name in self.benchmarks if name not in BENCHMARKS]
         if unknown:
             raise ValueError(f"Evaluation: unknown benchmarks {unknown}; known: {', '.join(BENCHMARKS)}")
+        self.active = trainer.global_rank == 0 or self._given["engine"] is not None
+        if not self.active:
+            return  # the rollout engine lives on rank 0, which evaluates every problem
         # Re-read every setup: a DataModule builds a new engine for each fit.
         self.engine = self._given["engine"] or getattr(trainer.datamodule, "rollout_engine", None)
         self.tokenizer = self._given["tokenizer"] or getattr(trainer.datamodule, "tokenizer", None)
@@ -239,11 +243,10 @@ class Evaluation(pl.Callback):
             or self.scorer
             or MathScorer(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
         )
-        rank, world = trainer.global_rank, trainer.world_size
         self.suites = []
         for name in self.benchmarks:
             bench = load_benchmark(name, source=self.sources.get(name), data_dir=self.data_dir)
-            items = bench.items[: self.max_problems][rank::world]  # each process evaluates its own share
+            items = bench.items[: self.max_problems]
             prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
                                    self.max_prompt_tokens)  # fmt: skip
             n = self.samples or bench.samples
@@ -268,7 +271,7 @@ class Evaluation(pl.Callback):
 
     def _maybe_run(self, trainer: pl.Trainer, after_update: bool = False) -> None:
         step = trainer.global_step
-        if not self.due(step) or step in self.evaluated_steps:
+        if not self.active or not self.due(step) or step in self.evaluated_steps:
             return
         if after_update and getattr(self.engine, "version", step) != step:
             return  # the new weights are not published yet (a sync callback after this one): next batch start

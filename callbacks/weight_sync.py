@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_gmc.distributed import full_tensor
+
 
 @runtime_checkable
 class WeightSink(Protocol):
@@ -29,6 +31,11 @@ class WeightSync(pl.Callback):
     The version published is ``trainer.global_step``, so delays ``tau = n - s`` mean the same on every
     rank. The current weights are also published when training starts (after a checkpoint restore), so a
     resumed run samples from the restored policy, not from the initial one.
+
+    Under several processes the sink lives on global rank 0 (the rollout engine's owner). DDP replicas are
+    identical, so rank 0 sends its own; FSDP2 parameters are gathered one at a time (``DTensor.full_tensor``,
+    a collective every rank joins) and streamed to the sink on rank 0, so no rank ever holds a second full
+    copy of the model.
 
     Args:
         sink: Where to send weights; ``None`` takes ``trainer.datamodule.weight_sink`` at setup.
@@ -78,13 +85,16 @@ class WeightSync(pl.Callback):
     def publish(self, pl_module: pl.LightningModule, version: int) -> None:
         """Send the parameters under ``prefix`` (prefix stripped) to the sink, stamped with ``version``."""
         cut = len(self.prefix)
-        # A generator, so a cast copy exists for one tensor at a time, never for the whole model.
+        # A generator, so a gathered or cast copy exists for one tensor at a time, never for the whole model.
         named = (
-            (name[cut:], p.detach() if self.dtype is None else p.detach().to(self.dtype))
+            (name[cut:], full_tensor(p.detach()) if self.dtype is None else full_tensor(p.detach()).to(self.dtype))
             for name, p in pl_module.named_parameters()
             if name.startswith(self.prefix)
         )
-        self.sink.load_weights(named, version)
+        if pl_module.global_rank == 0:
+            self.sink.load_weights(named, version)
+        for _ in named:  # the other ranks (and a sink that stopped early) still join every gather
+            pass
         self.last_synced_step = version
 
     @override

@@ -4,6 +4,11 @@ The DataModule owns the rollout engine (started in ``setup``, closed in ``teardo
 a gradient; the ``WeightSync`` callback feeds it new weights through ``weight_sink``. Background threads
 (``VirtualClock`` generation overlap, ``Live`` rollout workers) start with the first batch and are joined in
 ``teardown`` and ``on_exception``, so none outlives ``fit``.
+
+Under data parallelism (DDP, FSDP2) the engine, the schedule and the prompt stream exist on global rank 0 only:
+it generates and schedules every update's ``B`` groups exactly as a single process would, then hands each rank
+its ``B / world`` whole groups (:meth:`RolloutBatch.shard`). Delays, versions and the sampling seeds are
+therefore those of the single-process run, whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from lit_gmc.data.engines import RolloutEngine, SamplingParams
 from lit_gmc.data.recompute import BehaviorRecompute
 from lit_gmc.data.schedules import Batch, DelaySchedule
 from lit_gmc.data.tasks import Prompt, PromptStream, Task
+from lit_gmc.distributed import rank_and_world, scatter_from_first
 
 # Lightning warns that a sized IterableDataset may over-count under several loader workers; ours is read in the
 # main process only (num_workers=0), and its length is what turns Lightning's batch prefetch off.
@@ -51,8 +57,8 @@ class _RolloutStream(IterableDataset):
         return self.dm.schedule.total_updates
 
     def __iter__(self) -> Iterator[RolloutBatch]:
-        while not self.dm.schedule.exhausted:
-            yield self.dm.next_batch()
+        while (share := self.dm.next_share()) is not None:
+            yield share
 
 
 class _RolloutLoader(DataLoader):
@@ -125,6 +131,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.schedule.plan(total_updates, batch_prompts)
         self.stream: PromptStream | None = None  # built in setup, once the task has the engine's tokenizer
         self.started = False
+        self.rank, self.world = 0, 1  # set in setup; only rank 0 runs the engine and the schedule
         self.batches_launched = 0
         self._claim_lock = threading.Lock()  # prompt stream and launch ids, shared by live workers
         self._executor: ThreadPoolExecutor | None = None  # overlapped generation: one thread
@@ -195,6 +202,14 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.started:
             return
         hp = self.hparams
+        self.rank, self.world = rank_and_world()
+        if hp.batch_prompts % self.world:
+            raise ValueError(
+                f"--data.batch_prompts={hp.batch_prompts} cannot be split into whole groups over {self.world} "
+                f"processes (--trainer.devices x --trainer.num_nodes): use a multiple of {self.world}"
+            )
+        if self.rank != 0:
+            return  # this rank receives its groups from rank 0 (next_share)
         self.engine.start(hp.actor)
         if hp.recompute_behavior_logprobs:
             model, _ = load_actor(resolve_actor_path(hp.actor))
@@ -280,6 +295,19 @@ class RolloutDataModule(pl.LightningDataModule):
             scored.append(dataclasses.replace(group.with_rewards(rewards), batch_id=launch_id))
         return scored
 
+    def next_share(self) -> RolloutBatch | None:
+        """This rank's share of the next update (the whole batch on one process); ``None`` once it is exhausted.
+
+        Rank 0 runs the schedule and tells every rank alike when it is exhausted; every rank must call this.
+        """
+        if self.world == 1:
+            return None if self.schedule.exhausted else self.next_batch()
+        if self.rank != 0:
+            return scatter_from_first(None)
+        batch = None if self.schedule.exhausted else self.next_batch()
+        shares = [None if batch is None else batch.shard(rank, self.world) for rank in range(self.world)]
+        return scatter_from_first(shares)
+
     def next_batch(self) -> RolloutBatch:
         """The schedule's next batch, collated; ``info`` records what was consumed (logged as ``schedule/*``)."""
         groups, info = self.schedule.next_batch(self.submit if self.schedule.overlap else self.produce)
@@ -294,7 +322,10 @@ class RolloutDataModule(pl.LightningDataModule):
 
         The schedule's part holds its queues and in-flight batches (versions and behaviour log-probs included),
         the virtual clock and its counters; sampling seeds derive from launch ids, so nothing else is random.
+        Empty on ranks other than 0, which hold none of it (rank 0 writes the checkpoint).
         """
+        if self.rank != 0:
+            return {}
         with getattr(self.schedule, "paused", contextlib.nullcontext)():
             return {
                 "schedule": self.schedule.state_dict(),
@@ -306,6 +337,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return  # the checkpoint holds rank 0's schedule; the other ranks only receive shares
         self.schedule.load_state_dict(state_dict["schedule"])
         self.stream.load_state_dict(state_dict["stream"])
         self.batches_launched = state_dict["batches_launched"]

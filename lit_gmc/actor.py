@@ -10,14 +10,19 @@ same weights from disk.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+import tokenizers
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -27,7 +32,7 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 @dataclass(frozen=True)
 class TinyRecipe:
-    """Everything that determines the tiny actor; its hash names the cache folder."""
+    """The numbers of the tiny actor; with the code and library versions that build it, they key its cache folder."""
 
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -42,8 +47,8 @@ class TinyRecipe:
     seed: int = 0
 
     def key(self) -> str:
-        """First 12 hex digits of the SHA-256 of the recipe's fields, as sorted JSON."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """First 12 hex digits of the SHA-256 of :func:`tiny_actor_fingerprint` (recipe, code, versions)."""
+        return hashlib.sha256(json.dumps(tiny_actor_fingerprint(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFast:
@@ -110,6 +115,36 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[f
     return losses
 
 
+def tiny_actor_builders() -> list[Callable[..., Any]]:
+    """The code that decides the cached actor: its builders, the warm start and its prompts, the saving."""
+    from lit_gmc.data.tasks import Addition  # the warm start's data: the split is made in __init__
+
+    task = [Addition.__init__, Addition.train_prompts]
+    return [build_char_tokenizer, build_tiny_model, warm_start, *task, ensure_tiny_actor]
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that build, train and serialise the tiny actor."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def tiny_actor_fingerprint(recipe: TinyRecipe) -> dict[str, Any]:
+    """Everything that determines the cached tiny actor, as JSON-able data; its hash names the cache folder.
+
+    The recipe's numbers alone are not enough: a cache written by older warm-start code, or by another torch
+    (different initialisation or optimizer numerics), would otherwise be reused silently. So the source text of
+    the functions :func:`tiny_actor_builders` lists and the versions :func:`library_versions` reads are part of
+    it. Any edit of those functions, comments included, builds a new actor once (about 10 s); stale folders
+    are left in the cache for the user to delete.
+    """
+    return {
+        "recipe": asdict(recipe),
+        "tokens": {"alphabet": TINY_ALPHABET, "special": list(SPECIAL_TOKENS)},
+        "code": [f"{fn.__qualname__}\n{inspect.getsource(fn)}" for fn in tiny_actor_builders()],
+        "versions": library_versions(),
+    }
+
+
 def default_cache_dir() -> Path:
     """``$LIT_GMC_CACHE`` if set, else ``~/.cache/lit_gmc``."""
     return Path(os.environ.get("LIT_GMC_CACHE", Path.home() / ".cache" / "lit_gmc"))
@@ -133,7 +168,8 @@ def ensure_tiny_actor(recipe: TinyRecipe | None = None, cache_dir: str | Path | 
     staging = root / f".{target.name}.{os.getpid()}.tmp"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    (staging / "lit_gmc_recipe.json").write_text(json.dumps({**asdict(recipe), "warm_start_final_loss": losses[-1]}))
+    record = {**asdict(recipe), "versions": library_versions(), "warm_start_final_loss": losses[-1]}
+    (staging / "lit_gmc_recipe.json").write_text(json.dumps(record))
     try:
         staging.rename(target)
     except OSError:  # another process won the race; its copy is identical

@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lit_gmc import objectives as O
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, grpo, register
+from lit_gmc.distributed import full_tensor, like, local_part, rank_and_world, sum_across
 
 MIN_REWARD_STD = 1e-8  # below this a group's rewards tie, and VCPO/CISPO skip the std division
 GAC_LOW, GAC_HIGH = 0.05, 0.30  # cosine thresholds of GAC (Xu et al. 2026)
@@ -45,7 +47,10 @@ A3PO_BEHAVIOR_CAP = 5.0  # a3po_capped leaves out tokens with pi_prox / pi_behav
 def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: int) -> Tensor:
     """``A_i = (r_i - b_g) / sigma_g`` with the population std of the group's rewards. Returns ``(N,)``.
 
-    Where ``sigma_g <= 1e-8`` (rewards tie) the division is skipped, so ties give ``r_i - b_g``, never NaN.
+    A group whose rewards tie exactly gets exactly 0: its baseline (an average of the group's rewards, as in
+    every rule here) is the tied value and ``sigma_g = 0``, but rounding can leave both a few ulps off, and the
+    division would then blow ``~1e-8 / ~1e-8`` up to ``+-1`` (CISPO on eight rewards of 0.7, before this
+    check). Where ``sigma_g <= 1e-8`` but the rewards differ, the division is skipped: ``r_i - b_g``, never NaN.
     """
     r = O.per_group(rewards, group_size, "rewards")  # (B, G)
     if baselines.shape != (r.shape[0],):
@@ -53,7 +58,8 @@ def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: 
     std = r.std(-1, unbiased=False, keepdim=True)  # (B, 1)
     centred = r - baselines[:, None]  # (B, G)
     spread = std > MIN_REWARD_STD  # (B, 1)
-    return torch.where(spread, centred / std.clamp(min=MIN_REWARD_STD), centred).reshape(-1)  # (N,)
+    adv = torch.where(spread, centred / std.clamp(min=MIN_REWARD_STD), centred)  # (B, G)
+    return adv.masked_fill(O.tied_groups(r), 0.0).reshape(-1)  # (N,)
 
 
 def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_size: int) -> Tensor:
@@ -61,7 +67,9 @@ def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_s
 
     ``W_i = w_i^2 ||grad log pi_theta(y_i)||^2`` with the *unclipped* sequence ratio ``w_i = exp(log_w_i)``,
     normalised in log space so that a huge ratio cannot overflow. A group whose weights are all zero (every
-    gradient norm zero) has no preferred response and falls back to the plain mean reward.
+    gradient norm zero) has no preferred response and falls back to the plain mean reward. A group whose
+    rewards tie exactly gets that reward itself, so ``r_i - b* = 0`` exactly (the rounded weighted sum is
+    generally a few ulps off it, even for rewards of 1).
     """
     lw = O.per_group(log_w.detach(), group_size, "log_w")  # (B, G)
     norms = O.per_group(grad_norms_sq.detach().to(lw.dtype), group_size, "grad_norms_sq")  # (B, G)
@@ -71,7 +79,8 @@ def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_s
     dead = torch.isneginf(log_weight).all(-1, keepdim=True)  # (B, 1)
     log_weight = torch.where(dead, torch.zeros_like(log_weight), log_weight)  # (B, G)
     r = O.per_group(rewards, group_size, "rewards").to(lw.dtype)  # (B, G)
-    return (torch.softmax(log_weight, dim=-1) * r).sum(-1)  # (B,)
+    weighted = (torch.softmax(log_weight, dim=-1) * r).sum(-1)  # (B,)
+    return torch.where(O.tied_groups(r)[:, 0], r[:, 0], weighted)  # (B,)
 
 
 def ess_step_factor(log_w: Tensor) -> Tensor:
@@ -191,10 +200,10 @@ class GradientProjection:
     gradient and is saved in checkpoints (``state_dict``), so a resumed run projects exactly as an
     uninterrupted one.
 
-    FSDP: each rank holds shards of every gradient, so the three sums in :meth:`before_step` are partial;
-    they must be all-reduced (SUM over the shard group) before :func:`gac_shift`, which keeps the cosine
-    global; the shift is then applied shard by shard. Under DDP the gradients are already reduced and
-    replicated, and no reduction is needed. This project runs single-process here, so none is done.
+    FSDP2: each rank holds shards of every gradient, so the three sums in :meth:`before_step` are taken over
+    the local shards and summed over ranks before :func:`gac_shift`, which keeps the cosine global; the shift
+    is then applied shard by shard. Under DDP the gradients are already reduced and replicated, and no
+    reduction is needed. Checkpoints hold the whole previous gradient (gathered to rank 0, which writes them).
     """
 
     def __init__(self, low: float = GAC_LOW, high: float = GAC_HIGH) -> None:
@@ -216,12 +225,13 @@ class GradientProjection:
         if len(previous) != len(grads):
             raise ValueError(f"GAC kept {len(previous)} gradient tensors but the model has {len(grads)} parameters")
         # Parameters without a gradient now cannot be moved and take no part; a missing g_prev counts as zero.
-        pairs = [(g, None if prev is None else prev.to(g)) for g, prev in zip(grads, previous, strict=True)]
+        pairs = [(g, None if prev is None else like(g, prev)) for g, prev in zip(grads, previous, strict=True)]
         pairs = [(g, prev) for g, prev in pairs if g is not None]
-        # Rank-local partial sums (g . g_prev, ||g||^2, ||g_prev||^2).
-        parts = [_dot_and_norms(g, prev) for g, prev in pairs]
+        # Sums over this rank's part of each gradient (g . g_prev, ||g||^2, ||g_prev||^2), then over ranks if sharded.
+        parts = [_dot_and_norms(local_part(g), None if prev is None else local_part(prev)) for g, prev in pairs]
         sums = torch.stack([p.to(parts[0].device) for p in parts]).sum(0) if parts else torch.zeros(3)  # (3,)
-        # Under FSDP: torch.distributed.all_reduce(sums, op=SUM, group=<shard group>) here, so the cosine is global.
+        if any(isinstance(g, DTensor) for g, _ in pairs):
+            sums = sum_across(sums)
         dot, norm_sq, prev_sq = sums.tolist()
         cosine, shift = gac_shift(dot, norm_sq, prev_sq, self.low, self.high)
         if shift != 0.0:
@@ -237,8 +247,20 @@ class GradientProjection:
         del optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """The previous raw gradient (a list aligned with the parameters, or None before the first step)."""
-        return {"previous": self.previous, "low": self.low, "high": self.high}
+        """The previous raw gradient (a list aligned with the parameters, or None before the first step).
+
+        Sharded gradients are gathered whole, one at a time, and kept (on CPU) by rank 0 only, the rank that writes
+        checkpoints; every rank must call this (each gather is a collective).
+        """
+        previous = self.previous
+        if previous is not None and any(isinstance(t, DTensor) for t in previous):
+            keep = rank_and_world()[0] == 0
+            gathered: list[Tensor | None] = []
+            for t in previous:
+                whole = None if t is None else full_tensor(t)
+                gathered.append(whole.cpu() if keep and whole is not None else None)
+            previous = gathered
+        return {"previous": previous, "low": self.low, "high": self.high}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; tensors move to the gradients' device when next used."""

@@ -81,6 +81,9 @@ class RolloutBatch:
         batch_ids: ``(B,)`` launched-batch id of each group.
         prompt_ids: ``(B,)`` prompt id of each group.
         info: Schedule bookkeeping for logging (queue depth, drain flag, ...), plain Python numbers.
+        update_rows: ``N`` of the whole update when this batch is one rank's share of it (see :meth:`shard`);
+            ``None`` when the batch is the whole update.
+        update_tokens: The whole update's number of real response tokens, likewise.
     """
 
     input_ids: Tensor
@@ -94,6 +97,29 @@ class RolloutBatch:
     batch_ids: Tensor
     prompt_ids: Tensor
     info: dict[str, float] = field(default_factory=dict)
+    update_rows: int | None = None
+    update_tokens: int | None = None
+
+    @property
+    def total_rows(self) -> int:
+        """Rows of the whole update this batch belongs to: the loss normaliser ``B G`` (``T B G`` with ``T``)."""
+        return self.update_rows if self.update_rows is not None else int(self.rewards.numel())
+
+    @property
+    def total_tokens(self) -> int:
+        """Real response tokens of the whole update: the normaliser of token-mean aggregation."""
+        return self.update_tokens if self.update_tokens is not None else int(self.response_mask.sum())
+
+    def shard(self, rank: int, world: int) -> RolloutBatch:
+        """Rank ``rank``'s share of ``world``: a contiguous block of whole groups.
+
+        It keeps the whole update's padding and loss normalisers, so the shares' losses sum to the batch's loss.
+        """
+        if self.num_groups % world:
+            raise ValueError(f"{self.num_groups} groups cannot be split evenly over {world} ranks")
+        per_rank = self.num_groups // world
+        share = self.groups_slice(rank * per_rank, (rank + 1) * per_rank)
+        return replace(share, update_rows=self.total_rows, update_tokens=self.total_tokens)
 
     @property
     def num_groups(self) -> int:

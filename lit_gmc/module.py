@@ -12,14 +12,17 @@ from typing import Any, Literal, get_args
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
 from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
+from lit_gmc.distributed import gather_ragged, gather_rows, rank_and_world, sum_across
 from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
+from lit_gmc.strategies import FSDP2Strategy  # noqa: F401  (registers --trainer.strategy fsdp2)
 
 # Rules whose eps Corollary 1's rate is derived for: GMC's group-mass cap. TIC also has a 1 + eps cap, but it removes
 # the mass of trajectories with rho > 1 + eps, a different bias term with no derived rate (see lit_gmc.eps_schedules).
@@ -34,8 +37,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 
 def validate_model_args(
-    *, correction: str, eps: float | None, aggregation: str | None, lr: float, warmup_fraction: float,
-    optimizer: str, max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str,
+    *,
+    correction: str,
+    eps: float | None,
+    aggregation: str | None,
+    lr: float,
+    warmup_fraction: float,
+    optimizer: str,
+    max_grad_norm: float | None,
+    micro_batch_groups: int,
+    logit_chunk_tokens: int,
+    dtype: str,
     eps_schedule: str = "constant",
 ) -> list[str]:
     """Every problem with the model options, one line each, named by their CLI flags."""
@@ -142,9 +154,17 @@ class GMCModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         problems = validate_model_args(
-            correction=correction, eps=eps, aggregation=aggregation, lr=lr, warmup_fraction=warmup_fraction,
-            optimizer=optimizer, max_grad_norm=max_grad_norm, micro_batch_groups=micro_batch_groups,
-            logit_chunk_tokens=logit_chunk_tokens, dtype=dtype, eps_schedule=eps_schedule,
+            correction=correction,
+            eps=eps,
+            aggregation=aggregation,
+            lr=lr,
+            warmup_fraction=warmup_fraction,
+            optimizer=optimizer,
+            max_grad_norm=max_grad_norm,
+            micro_batch_groups=micro_batch_groups,
+            logit_chunk_tokens=logit_chunk_tokens,
+            dtype=dtype,
+            eps_schedule=eps_schedule,
         )
         problems += validate_eps_schedule_args(
             eps_schedule=eps_schedule, eps_scale=eps_scale, eps_min=eps_min, eps_max=eps_max
@@ -164,6 +184,48 @@ class GMCModule(pl.LightningModule):
         self.actor.train()  # from_pretrained returns eval mode; Lightning expects train mode in fit
         if gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
+
+    @override
+    def configure_model(self) -> None:
+        """Under FSDP2 (:class:`~lit_gmc.strategies.FSDP2Strategy`), shard the actor over the data-parallel mesh.
+
+        Each decoder layer is one ``fully_shard`` unit; the embeddings, final norm and head (tied or not) form the
+        root unit, gathered for the whole of :meth:`forward`. Under any other strategy the actor stays whole.
+        The layers to shard are the classes the transformers model lists in ``_no_split_modules`` (the decoder
+        layer for every causal LM in the library), so any hub actor shards the same way.
+        """
+        mesh = self.device_mesh
+        if mesh is None or any(isinstance(p, DTensor) for p in self.actor.parameters()):
+            return  # not FSDP2, or already sharded (Lightning calls this hook once per fit)
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "the learner shards its weights over data-parallel ranks only (FSDP2); tensor parallelism of the "
+                "learner is not implemented: use lit_gmc.strategies.FSDP2Strategy (tensor_parallel_size 1)"
+            )
+        if self.rule.needs_grad_norms:
+            raise ValueError(
+                f"--model.correction={self.hparams.correction} needs the exact gradient norm of every trajectory, "
+                "which FSDP2's sharded parameters do not give per row: use --trainer.strategy ddp"
+            )
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
+        layer_classes = set(getattr(self.actor, "_no_split_modules", None) or ())
+        for module in self.actor.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mesh=data_parallel)
+        # The root unit is this module, not the actor: log-probs run through `forward` below, which calls the
+        # actor's backbone and head separately (never the actor's own forward, which would build full logits).
+        fully_shard(self, mesh=data_parallel)
+
+    @override
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> tuple[Tensor, Tensor]:
+        """Current-policy log-probs and entropies ``(n, L)`` of the response tokens (:func:`response_logprobs`)."""
+        return response_logprobs(
+            self.actor, input_ids, attention_mask, prompt_width,
+            temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
+        )  # fmt: skip
 
     def policy_terms(self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None) -> PolicyTerms:
         """The correction rule's inputs: ``logprobs`` of the current policy with the batch's behaviour data."""
@@ -200,8 +262,12 @@ class GMCModule(pl.LightningModule):
             stop = part.prompt_width + int(tokens.max()) + 1  # and the response's right padding
             ids = part.input_ids[row : row + 1, first:stop]  # (1, width)
             logprobs, _ = response_logprobs(
-                self.actor, ids, part.attention_mask[row : row + 1, first:stop], part.prompt_width - first,
-                temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
+                self.actor,
+                ids,
+                part.attention_mask[row : row + 1, first:stop],
+                part.prompt_width - first,
+                temperature=self.hparams.temperature,
+                chunk_tokens=self.hparams.logit_chunk_tokens,
             )  # (1, length)
             mask = part.response_mask[row : row + 1, : stop - part.prompt_width]  # (1, length)
             grads = torch.autograd.grad(O.sequence_logprob(logprobs, mask).sum(), params, allow_unused=True)
@@ -218,14 +284,15 @@ class GMCModule(pl.LightningModule):
         """
         # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
         norms = self.trajectory_grad_norms_sq(part) if self.rule.needs_grad_norms else None  # (n,) or None
-        logprobs, entropy = response_logprobs(
-            self.actor, part.input_ids, part.attention_mask, part.prompt_width,
-            temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
-        )  # (n, L), (n, L)
+        logprobs, entropy = self(part.input_ids, part.attention_mask, part.prompt_width)  # (n, L), (n, L)
         out = self.rule.fn(self.policy_terms(part, logprobs, norms), self.eps)
         loss = O.aggregate_loss(
-            out.token_loss, part.response_mask, self.aggregation, max_length=self.hparams.max_response_length,
-            total_sequences=batch.rewards.numel(), total_tokens=int(batch.response_mask.sum()),
+            out.token_loss,
+            part.response_mask,
+            self.aggregation,
+            max_length=self.hparams.max_response_length,
+            total_sequences=batch.total_rows,
+            total_tokens=batch.total_tokens,
         )
         return loss, out, entropy, logprobs.detach()
 
@@ -235,11 +302,14 @@ class GMCModule(pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self.eps = self.eps_schedule.next_eps(batch.delays(self.global_step), self.trainer.max_steps)
         per_pass = self.hparams.micro_batch_groups
+        # DDP and FSDP2 average gradients over ranks; each rank's loss is its share of the whole update's loss
+        # (global normalisers), so scaling by the world size makes the averaged gradient the whole batch's.
+        _, world = rank_and_world()
         losses, outputs, entropies, logprobs = [], [], [], []
         for start in range(0, batch.num_groups, per_pass):
             part = batch.groups_slice(start, min(start + per_pass, batch.num_groups))
             loss, out, entropy, current = self.micro_batch_loss(batch, part)
-            self.manual_backward(loss)
+            self.manual_backward(loss * world if world > 1 else loss)
             losses.append(loss.detach())
             outputs.append(out)
             entropies.append(entropy.masked_select(part.response_mask))
@@ -252,7 +322,7 @@ class GMCModule(pl.LightningModule):
         if self.step_rule:
             self.step_rule.after_step(optimizer)
         self.lr_schedulers().step()
-        loss = torch.stack(losses).sum()
+        loss = sum_across(torch.stack(losses).sum())
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
 
@@ -260,43 +330,61 @@ class GMCModule(pl.LightningModule):
         """Clip the actor's gradients to ``max_grad_norm`` (if set); returns their total norm before clipping."""
         params = [p for p in self.actor.parameters() if p.grad is not None]
         max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm is not None else float("inf")
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: the norm of the full gradient
 
     def collect_stats(
         self, batch: RolloutBatch, outputs: list[CorrectionOutput], entropy: Tensor, logprobs: Tensor
     ) -> dict[str, Tensor]:
-        """Detached per-row/per-group tensors of this step (the Diagnostics callback's input)."""
-        log_rho = torch.cat([o.log_rho for o in outputs])  # (N,)
-        coefficients = torch.cat([o.coefficients for o in outputs])  # (N,)
-        g = batch.group_size
-        log_rho_bar = O.group_log_mean_ratio(log_rho, g)  # (B,)
-        stats = {
-            "log_rho": log_rho,
-            "coefficients": coefficients,
+        """Detached per-row/per-group tensors of this step's whole update (the Diagnostics callback's input).
+
+        ``batch`` is this rank's share; per-row and per-token values are gathered from every rank in group order,
+        so the statistics are those of the whole batch, as in a single-process run.
+        """
+        delays = batch.delays(self.global_step)  # (n,)
+        rows = {
+            "log_rho": torch.cat([o.log_rho for o in outputs]),
+            "coefficients": torch.cat([o.coefficients for o in outputs]),
             "advantages": torch.cat([o.advantages for o in outputs]),
-            "log_rho_bar": log_rho_bar,
-            "removed_mass": O.removed_mass(log_rho, coefficients, g),  # (B,)
-            "ess": O.group_ess(log_rho, g),  # (B,)
             "rewards": batch.rewards,
             "response_lengths": batch.response_mask.sum(-1),
-            "delays": batch.delays(self.global_step),
-            "entropy": entropy.detach(),  # (tokens,)
-            "correction/eps": log_rho.new_tensor(float(self.eps)),
-            # The schedule's bookkeeping (queue depth, drain flag), so callbacks need only this dict.
-            **{f"schedule/{k}": log_rho.new_tensor(float(v)) for k, v in batch.info.items()},
-        }
-        on_policy = batch.delays(self.global_step) == 0  # (N,): the learner's weights are the behaviour version
-        if on_policy.any():
-            # Engine/trainer mismatch |l - log pi_theta_s|, measurable where the behaviour version is the current one.
-            gap = (batch.behavior_logprobs - logprobs)[on_policy].masked_select(batch.response_mask[on_policy]).abs()
+            "delays": delays,
+        }  # (n,) each
+        stats = {key: gather_rows(value.detach()) for key, value in rows.items()}  # (N,) each
+        log_rho, coefficients, g = stats["log_rho"], stats["coefficients"], batch.group_size
+        stats.update(
+            {
+                "log_rho_bar": O.group_log_mean_ratio(log_rho, g),  # (B,)
+                "removed_mass": O.removed_mass(log_rho, coefficients, g),  # (B,)
+                "ess": O.group_ess(log_rho, g),  # (B,)
+                "entropy": gather_ragged(entropy.detach()),  # (tokens,)
+                "correction/eps": log_rho.new_tensor(float(self.eps)),
+                # The schedule's bookkeeping (queue depth, drain flag), so callbacks need only this dict.
+                **{f"schedule/{k}": log_rho.new_tensor(float(v)) for k, v in batch.info.items()},
+            }
+        )
+        # Engine/trainer mismatch |l - log pi_theta_s|, measurable where the behaviour version is the current one.
+        on_policy = delays == 0  # (n,)
+        gap = gather_ragged((batch.behavior_logprobs - logprobs)[on_policy].masked_select(
+            batch.response_mask[on_policy]).abs())  # fmt: skip
+        if gap.numel():
             stats["mismatch/abs_mean"], stats["mismatch/abs_max"] = gap.mean(), gap.max()
+        extras: dict[str, list[Tensor]] = {}
         for o in outputs:
             for key, value in o.extra.items():
-                stats.setdefault(key, []).append(value.detach())
-        return {k: (torch.stack(v).mean() if isinstance(v, list) else v) for k, v in stats.items()}
+                extras.setdefault(key, []).append(value.detach())
+        # One value per micro-batch and rank (every rank runs as many micro-batches), averaged.
+        stats.update({key: gather_rows(torch.stack(values)).mean() for key, values in extras.items()})
+        return stats
 
     def log_step(
-        self, step: int, lr: float, batch: RolloutBatch, loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor],
+        self,
+        step: int,
+        lr: float,
+        batch: RolloutBatch,
+        loss: Tensor,
+        grad_norm: Tensor,
+        stats: dict[str, Tensor],
         extra: dict[str, float],
     ) -> None:
         """Per-step scalars of update ``step`` (``lr`` is the scheduled rate it used, before any step rule)."""

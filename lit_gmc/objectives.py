@@ -51,19 +51,32 @@ def log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -
     return sequence_logprob(token_logprobs, mask) - sequence_logprob(behavior_logprobs, mask)  # (N,)
 
 
+def tied_groups(grouped: Tensor) -> Tensor:
+    """``(B, 1)``: True where every entry of a ``(B, G)`` group equals its first exactly (NaN never ties).
+
+    A tied group's advantages are 0 in exact arithmetic, but its rounded sum or mean is generally not ``G r``
+    or ``r`` (``(0.7 + 0.7 + 0.7) / 3 != 0.7`` in float32), so ``r - mean`` comes out a few ulps off zero and
+    an all-tied batch would still move the weights. The advantage functions therefore set tied groups to 0.
+    """
+    return (grouped == grouped[:, :1]).all(-1, keepdim=True)  # (B, 1)
+
+
 def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """``A_i = r_i - (1/(G-1)) sum_{j != i} r_j`` (TIC, GMC). Returns ``(N,)``; ties give exactly 0."""
     if group_size < 2:
         raise ValueError(f"leave-one-out advantages need G >= 2, got G={group_size}")
     r = per_group(rewards, group_size, "rewards")  # (B, G)
     others = (r.sum(-1, keepdim=True) - r) / (group_size - 1)  # (B, G)
-    return (r - others).reshape(-1)  # (N,)
+    return (r - others).masked_fill(tied_groups(r), 0.0).reshape(-1)  # (N,)
 
 
 def group_centered_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    """``A_i = r_i - mean_j r_j`` (vanilla GRPO as the paper runs it: centred, not std-normalised)."""
+    """``A_i = r_i - mean_j r_j`` (vanilla GRPO as the paper runs it: centred, not std-normalised).
+
+    Returns ``(N,)``; ties give exactly 0 (see :func:`tied_groups`).
+    """
     r = per_group(rewards, group_size, "rewards")  # (B, G)
-    return (r - r.mean(-1, keepdim=True)).reshape(-1)  # (N,)
+    return (r - r.mean(-1, keepdim=True)).masked_fill(tied_groups(r), 0.0).reshape(-1)  # (N,)
 
 
 def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
@@ -180,4 +193,4 @@ def token_entropy_from_logits(logits: Tensor) -> Tensor:
 def zero_variance_fraction(rewards: Tensor, group_size: int) -> float:
     """Fraction of groups whose rewards all tie (their advantages are all 0: no learning signal)."""
     grouped = rewards.detach().view(-1, group_size)  # (B, G)
-    return float((grouped == grouped[:, :1]).all(-1).float().mean())
+    return float(tied_groups(grouped).float().mean())

@@ -48,6 +48,12 @@ def test_zero_variance_groups_give_exact_zero_advantage(fn):
     assert (adv[8:] != 0).all()
 
 
+def test_tied_groups_by_hand():
+    grouped = torch.tensor([[0.7, 0.7, 0.7], [0.7, 0.7, 0.70001], [float("nan")] * 3, [-2.0, -2.0, -2.0]])
+    assert O.tied_groups(grouped).tolist() == [[True], [False], [False], [True]]
+    assert O.zero_variance_fraction(grouped.reshape(-1), 3) == 0.5
+
+
 def test_group_centered_is_reward_minus_mean():
     torch.testing.assert_close(O.group_centered_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4),
                                torch.tensor([0.75, -0.25, -0.25, -0.25]))  # fmt: skip

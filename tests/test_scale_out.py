@@ -1,0 +1,185 @@
+"""Data parallelism: 2-process DDP and FSDP2 runs (gloo, CPU) against the single-process run of the same config.
+
+Rank 0 owns the engine and the schedule and scatters whole groups, so the rollouts, delays and versions of a
+2-process run are the single-process run's exactly; losses and gradient norms agree to floating-point reduction
+order (the two halves of the batch are reduced across processes instead of inside one backward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import fit_command, records, run_subprocess, write_config
+
+from lit_gmc.batch import RolloutBatch
+from lit_gmc.tblog import read_scalars
+
+pytestmark = pytest.mark.slow
+TOTAL, EVERY = 20, 4
+EXACT = ("schedule/batch_id", "schedule/launch_version", "train/reward", "delay/mean", "delay/max")
+CLOSE = ("train/loss", "train/grad_norm", "diag/ess/mean", "gac/cosine")
+STRATEGIES = {"ddp": ("--trainer.strategy", "ddp"), "fsdp2": ("--trainer.strategy", "fsdp2")}
+TWO = ("--trainer.devices", "2")
+
+
+def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    return {tag: dict(points) for tag, points in read_scalars(run_dir).items()}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict[str, Path]:
+    """The single-process reference run of each rule."""
+    root = tmp_path_factory.mktemp("single")
+    runs = {}
+    for rule in ("gmc", "gac"):
+        config = write_config(root, rule, total=TOTAL, every=EVERY)
+        done = run_subprocess(config, "--model.correction", rule)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[rule] = root / rule
+    return runs
+
+
+def assert_reproduces(got: Path, want: Path, tol: float = 1e-5) -> None:
+    got_scalars, want_scalars = scalars(got), scalars(want)
+    assert sorted(want_scalars["train/reward"]) == list(range(TOTAL))
+    for tag in EXACT:
+        assert got_scalars[tag] == want_scalars[tag], f"{tag} differs"
+    for tag in CLOSE:
+        if tag not in want_scalars:
+            continue
+        assert sorted(got_scalars[tag]) == sorted(want_scalars[tag]), f"{tag}: steps differ"
+        for step, value in want_scalars[tag].items():
+            assert abs(got_scalars[tag][step] - value) <= tol * max(1.0, abs(value)), f"{tag} step {step}"
+
+
+@pytest.mark.parametrize("rule", ["gmc", "gac"])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_two_processes_reproduce_the_single_process_run(tmp_path, single, strategy, rule):
+    config = write_config(tmp_path, "two", total=TOTAL, every=EVERY)
+    done = run_subprocess(config, *TWO, *STRATEGIES[strategy], "--model.correction", rule, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_reproduces(tmp_path / "two", single[rule])
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_kill_9_of_two_processes_then_ckpt_path_last_gives_the_unbroken_records(tmp_path, single, strategy):
+    """Both processes killed (the node dies) once the checkpoint at step 8 is written; resumed from the shell."""
+    config = write_config(tmp_path, "killed", total=TOTAL, every=EVERY)
+    args = (*TWO, *STRATEGIES[strategy], "--model.correction", "gac")
+    checkpoint = tmp_path / "killed" / "checkpoints" / f"epoch=0-step={2 * EVERY}.ckpt"
+    process = subprocess.Popen(
+        fit_command(config, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: rank 0 and the rank 1 it launches die together
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -9, f"the run ended before it could be killed:\n{stderr[-3000:]}"
+    assert max(records(tmp_path / "killed")) < TOTAL - 1, "the kill should interrupt the run"
+    resumed = run_subprocess(config, *args, "--ckpt_path", "last", timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
+    assert_reproduces(tmp_path / "killed", single["gac"])
+
+
+PROBE = '''
+import json
+import torch
+import lightning.pytorch as pl
+from lit_gmc.distributed import full_tensor
+
+
+class EngineWeightsProbe(pl.Callback):
+    """After each update (and WeightSync), rank 0 compares the engine's weights with the gathered parameters."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.seen = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = trainer.datamodule.rollout_engine
+        gathered = {name[len("actor."):]: full_tensor(p.detach()) for name, p in pl_module.named_parameters()}
+        sharded = any(type(p).__name__ == "DTensor" for p in pl_module.parameters())
+        if trainer.global_rank == 0:
+            weights = dict(engine.model.named_parameters())
+            gap = max(float((weights[name] - value).abs().max()) for name, value in gathered.items())
+            self.seen.append({"step": trainer.global_step, "version": engine.version, "gap": gap,
+                              "sharded": sharded, "names": sorted(gathered) == sorted(weights)})
+            with open(self.out, "w") as handle:
+                json.dump(self.seen, handle)
+'''
+
+
+def test_fsdp2_weight_sync_gives_the_engine_the_gathered_parameters(tmp_path):
+    (tmp_path / "probe_module.py").write_text(textwrap.dedent(PROBE))
+    out = tmp_path / "probe.json"
+    probe = {"class_path": "probe_module.EngineWeightsProbe", "init_args": {"out": str(out)}}
+    config = write_config(tmp_path, "probe", total=3, extra_callbacks=[probe])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        fit_command(config, *TWO, *STRATEGIES["fsdp2"]), capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert [entry["step"] for entry in seen] == [1, 2, 3]
+    for entry in seen:
+        assert entry["sharded"] and entry["names"]
+        assert entry["version"] == entry["step"]
+        assert entry["gap"] == 0.0
+
+
+def test_batch_prompts_not_divisible_by_the_world_size_is_a_start_up_error(tmp_path):
+    config = write_config(tmp_path, "odd", total=2, batch_prompts=3)
+    done = run_subprocess(config, *TWO, *STRATEGIES["ddp"], timeout=300)
+    assert done.returncode != 0
+    assert "--data.batch_prompts=3 cannot be split into whole groups over 2 processes" in done.stderr
+
+
+def test_vcpo_under_fsdp2_is_refused_with_the_reason(tmp_path):
+    config = write_config(tmp_path, "vcpo", total=2)
+    done = run_subprocess(config, *TWO, *STRATEGIES["fsdp2"], "--model.correction", "vcpo", timeout=300)
+    assert done.returncode != 0
+    assert "--model.correction=vcpo needs the exact gradient norm of every trajectory" in done.stderr
+
+
+def test_shards_keep_the_whole_update_s_normalisers():
+    torch.manual_seed(0)
+    groups, size, width = 4, 3, 5
+    n = groups * size
+    mask = torch.rand(n, width) > 0.3
+    batch = RolloutBatch(
+        input_ids=torch.zeros(n, 2 + width, dtype=torch.long),
+        attention_mask=torch.ones(n, 2 + width, dtype=torch.bool),
+        response_mask=mask, behavior_logprobs=torch.zeros(n, width), rewards=torch.arange(n, dtype=torch.float32),
+        versions=torch.arange(groups), prompt_width=2, group_size=size, batch_ids=torch.arange(groups),
+        prompt_ids=torch.arange(groups),
+    )  # fmt: skip
+    shares = [batch.shard(rank, 2) for rank in range(2)]
+    assert torch.equal(torch.cat([s.rewards for s in shares]), batch.rewards)
+    assert torch.equal(torch.cat([s.versions for s in shares]), batch.versions)
+    for share in shares:
+        assert share.num_groups == 2
+        assert share.total_rows == n and share.total_tokens == int(mask.sum())
+        assert share.groups_slice(0, 1).total_rows == n  # micro-batches of a share keep them too
+    assert batch.total_rows == n and batch.total_tokens == int(mask.sum())
+    with pytest.raises(ValueError, match="4 groups cannot be split evenly over 3 ranks"):
+        batch.shard(0, 3)
+
+
+def test_the_cli_knows_the_fsdp2_strategy():
+    done = subprocess.run(
+        [sys.executable, "-c", "import lit_gmc.module; from lightning.pytorch.strategies import StrategyRegistry;"
+         "print(StrategyRegistry['fsdp2']['strategy'].__name__)"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.strip() == "FSDP2Strategy", done.stderr
