@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,6 +39,29 @@ from lit_gmc.distributed import rank_and_world, scatter_from_first
 # Lightning warns that a sized IterableDataset may over-count under several loader workers; ours is read in the
 # main process only (num_workers=0), and its length is what turns Lightning's batch prefetch off.
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined", category=UserWarning)
+
+
+def checked_rewards(rewards: Sequence[float], group_size: int, scorer: Callable, prompt_id: int) -> list[float]:
+    """``rewards`` as floats, or a ``ValueError`` naming the scorer, the prompt and the bad value.
+
+    Checked where rewards enter: one NaN or inf reward would make every rule's gradient non-finite.
+    """
+    name = getattr(scorer, "__qualname__", type(scorer).__name__)
+    values = list(rewards)
+    if len(values) != group_size:
+        raise ValueError(f"reward {name} returned {len(values)} rewards for prompt {prompt_id}, expected {group_size}")
+    for index, value in enumerate(values):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(
+                f"reward {name} gave {values[index]!r} for response {index} of prompt {prompt_id}: "
+                "rewards must be finite numbers"
+            )
+        values[index] = value
+    return values
 
 
 class _RolloutStream(IterableDataset):
@@ -291,7 +315,7 @@ class RolloutDataModule(pl.LightningDataModule):
         scored = []
         for group in self.engine.generate(prompts, hp.group_size, sampling):
             completions = self.tokenizer.batch_decode(group.response_ids, skip_special_tokens=True)
-            rewards = self.score(completions, group.answer)
+            rewards = checked_rewards(self.score(completions, group.answer), hp.group_size, self.score, group.prompt_id)
             scored.append(dataclasses.replace(group.with_rewards(rewards), batch_id=launch_id))
         return scored
 

@@ -19,7 +19,7 @@ from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
 from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
-from lit_gmc.distributed import gather_ragged, gather_rows, rank_and_world, sum_across
+from lit_gmc.distributed import gather_ragged, gather_rows, local_part, rank_and_world, sum_across
 from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.strategies import FSDP2Strategy  # noqa: F401  (registers --trainer.strategy fsdp2)
@@ -316,15 +316,29 @@ class GMCModule(pl.LightningModule):
             logprobs.append(current)
         stats = self.collect_stats(batch, outputs, torch.cat(entropies), torch.cat(logprobs))
         step, lr = self.global_step, optimizer.param_groups[0]["lr"]
+        loss = sum_across(torch.stack(losses).sum())
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"update {step}: the loss is {float(loss)}; the weights were not changed")
         logged = self.step_rule.before_step(list(self.actor.parameters()), optimizer, stats) if self.step_rule else {}
         grad_norm = self.clip_and_measure()
+        if not torch.isfinite(grad_norm):  # the same total on every rank, so every rank stops here
+            raise FloatingPointError(
+                f"update {step}: the gradient norm is {float(grad_norm)}{self._first_non_finite_grad()}; "
+                "the weights were not changed"
+            )
         optimizer.step()
         if self.step_rule:
             self.step_rule.after_step(optimizer)
         self.lr_schedulers().step()
-        loss = sum_across(torch.stack(losses).sum())
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
+
+    def _first_non_finite_grad(self) -> str:
+        """``" (first non-finite in <name>)"`` for the first parameter whose local gradient is not finite, or ``""``."""
+        for name, p in self.named_parameters():
+            if p.grad is not None and not torch.isfinite(local_part(p.grad)).all():
+                return f" (first non-finite in {name})"
+        return ""
 
     def clip_and_measure(self) -> Tensor:
         """Clip the actor's gradients to ``max_grad_norm`` (if set); returns their total norm before clipping."""

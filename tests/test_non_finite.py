@@ -1,0 +1,86 @@
+"""Non-finite values never reach the weights: rewards are checked where they enter, and an update whose loss or
+gradient is not finite stops before the optimizer step, naming the update and the first non-finite quantity."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from run_helpers import tiny_data
+
+from lit_gmc import objectives as O
+from lit_gmc.callbacks.weight_sync import WeightSync
+from lit_gmc.corrections import CORRECTIONS, Correction, CorrectionOutput, PolicyTerms, register
+from lit_gmc.data.datamodule import checked_rewards
+from lit_gmc.module import GMCModule
+
+
+def test_checked_rewards_accepts_finite_numbers_and_names_the_bad_one():
+    def exact(completions, answer):
+        return [1.0] * len(completions)
+
+    assert checked_rewards([1, 0.5, True], 3, exact, 7) == [1.0, 0.5, 1.0]
+    for bad in (math.nan, math.inf, -math.inf, "x", None):
+        with pytest.raises(ValueError, match=r"reward .*exact gave .* for response 1 of prompt 7: rewards must be"):
+            checked_rewards([0.0, bad, 1.0], 3, exact, 7)
+    with pytest.raises(ValueError, match="returned 2 rewards for prompt 7, expected 3"):
+        checked_rewards([0.0, 1.0], 3, exact, 7)
+
+
+def nan_reward(completions, answer):
+    return [math.nan] + [0.0] * (len(completions) - 1)
+
+
+def run(module: GMCModule, **data) -> None:
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[WeightSync()],
+    )  # fmt: skip
+    trainer.fit(module, tiny_data(1, batch_prompts=2, group_size=4, max_new_tokens=4, total_updates=2, **data))
+
+
+def test_a_nan_reward_stops_the_run_where_it_enters():
+    module = GMCModule(max_response_length=4)
+    before = {k: v.clone() for k, v in module.actor.state_dict().items()}
+    with pytest.raises(ValueError, match=r"reward .*nan_reward gave nan for response 0 of prompt \d+"):
+        run(module, reward=nan_reward)
+    assert all(torch.equal(before[k], v) for k, v in module.actor.state_dict().items())
+
+
+def nan_gradient(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    """A finite loss (0) whose gradient is NaN: d sqrt(x) / dx at 0 is inf, times the 0 inside."""
+    token_loss = torch.sqrt(terms.token_logprobs * 0.0) * terms.mask  # (n, L), value 0, gradient nan
+    n = terms.rewards.numel()
+    zeros = terms.rewards.new_zeros(n)
+    return CorrectionOutput(token_loss, zeros, zeros + 1, O.group_centered_advantages(terms.rewards, terms.group_size))
+
+
+def nan_loss(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+    out = nan_gradient(terms, eps)
+    return CorrectionOutput(out.token_loss + math.nan, out.log_rho, out.coefficients, out.advantages)
+
+
+@pytest.fixture
+def test_rules():
+    register("test_nan_gradient", Correction(nan_gradient, 0.2, "seq_sum_over_T"))
+    register("test_nan_loss", Correction(nan_loss, 0.2, "seq_sum_over_T"))
+    yield
+    CORRECTIONS.pop("test_nan_gradient")
+    CORRECTIONS.pop("test_nan_loss")
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ("test_nan_gradient", r"update 0: the gradient norm is nan \(first non-finite in actor\.[\w.]+\); the weights"),
+        ("test_nan_loss", r"update 0: the loss is nan; the weights were not changed"),
+    ],
+)
+def test_a_non_finite_update_stops_before_the_optimizer_step(test_rules, rule, message):
+    module = GMCModule(correction=rule, max_response_length=4)
+    before = {k: v.clone() for k, v in module.actor.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=message):
+        run(module)
+    assert all(torch.equal(before[k], v) for k, v in module.actor.state_dict().items())
