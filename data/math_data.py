@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit_gmc.data.answers import last_boxed
+from lit_gmc.errors import UserError, UserFileNotFoundError
 
 if TYPE_CHECKING:  # Prompt is imported where it is used, so that loading data needs nothing from tasks.py
     from lit_gmc.data.tasks import Prompt
@@ -219,9 +220,9 @@ def _read_table(source: DataSource) -> Any:
     is_file = is_file_source(source.path)
     # A hub name never starts with "/" or ".": such a path is a missing folder, not something to look up online.
     if (is_file and not path.is_file()) or (source.path.startswith(("/", ".")) and not path.exists()):
-        raise FileNotFoundError(f"data not found: {source.path} (resolved to {path.resolve()})")
+        raise UserFileNotFoundError(f"data not found: {source.path} (resolved to {path.resolve()})")
     if is_file and not any(line.strip() for line in path.open(encoding="utf-8", errors="replace")):
-        raise ValueError(f"{source.path}: the file has no rows")  # datasets would end in a bare StopIteration
+        raise UserError(f"{source.path}: the file has no rows")  # datasets would end in a bare StopIteration
     try:
         if is_file:
             return datasets.load_dataset("json", data_files=str(path), split="train")
@@ -232,8 +233,8 @@ def _read_table(source: DataSource) -> Any:
     except datasets.exceptions.DatasetGenerationError as err:
         bad = _first_bad_json_line(path) if is_file else None
         if bad is not None:
-            raise ValueError(f"{source.path}:{bad[0]}: not valid JSON ({bad[1]})") from err
-        raise ValueError(f"{source.path}: could not be read as a dataset ({err.__cause__ or err})") from err
+            raise UserError(f"{source.path}:{bad[0]}: not valid JSON ({bad[1]})") from err
+        raise UserError(f"{source.path}: could not be read as a dataset ({err.__cause__ or err})") from err
 
 
 def _field_label(source: DataSource, name: str) -> str:
@@ -256,11 +257,11 @@ def load_records(source: DataSource, fields: Mapping[str, type | tuple[type, ...
     table = _read_table(source)
     if table.num_rows == 0:
         config = f"config {source.config!r}, " if source.config else ""
-        raise ValueError(f"{source.path} ({config}split {source.split!r}) has no rows")
+        raise UserError(f"{source.path} ({config}split {source.split!r}) has no rows")
     columns = {name: source.column(name) for name in fields}
     missing = [f"{column!r}" for column in columns.values() if column not in table.column_names]
     if missing:
-        raise ValueError(f"{source.path}: no column {', '.join(missing)} in any row (has {table.column_names})")
+        raise UserError(f"{source.path}: no column {', '.join(missing)} in any row (has {table.column_names})")
     rows = table.select_columns(list(dict.fromkeys(columns.values()))).to_list()
     out = []
     for index, row in enumerate(rows):
@@ -268,12 +269,12 @@ def load_records(source: DataSource, fields: Mapping[str, type | tuple[type, ...
         for name, kind in fields.items():
             value = record[name]
             if value is None:
-                raise ValueError(f"{row_location(source, index)}: missing {_field_label(source, name)}")
+                raise UserError(f"{row_location(source, index)}: missing {_field_label(source, name)}")
             if not isinstance(value, kind) or isinstance(value, bool):
                 expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
                 got = type(value).__name__
                 label = _field_label(source, name)
-                raise ValueError(f"{row_location(source, index)}: {label} must be {expected}, got {got}")
+                raise UserError(f"{row_location(source, index)}: {label} must be {expected}, got {got}")
         out.append(record)
     return out
 

@@ -6,7 +6,10 @@ Two layouts, after the paper:
   GPU). On a GPU, ``sleep_between_rollouts`` offloads vLLM's weights and drops its KV cache after every
   ``generate``, so the actor trains with that memory free, and wakes it before the next rollout.
 - ``dedicated``: vLLM's engine runs in its own process on its own GPU(s) (``devices``, optionally tensor
-  parallel), so rollouts can overlap with learning when a schedule generates in a background thread.
+  parallel), so rollouts can overlap with learning when a schedule generates in a background thread. With
+  ``replicas > 1`` several such engines (data parallel, each on its own ``tensor_parallel_size`` of the
+  ``devices``) share every launch: its prompts are split into contiguous blocks, one per replica, generated
+  at the same time. Each prompt's sampling seed depends on its place in the launch, not on the replica.
 
 Weights move without a restart and without touching the model folder: in-process engines receive the
 learner's tensors through ``collective_rpc("reload_weights", weights_iterator=...)``; a separate engine
@@ -26,6 +29,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -108,6 +112,27 @@ def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> I
         yield "lm_head.weight", embedding.detach().clone()
 
 
+def contiguous_blocks(count: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices of ``range(count)``, sizes differing by at most one (the first ones larger)."""
+    size, extra = divmod(count, parts)
+    starts = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [slice(starts[i], starts[i + 1]) for i in range(parts)]
+
+
+def on_every_replica(llms: Sequence, call, blocks: Sequence | None = None) -> list:
+    """``call(llm)`` (or ``call(llm, block)``) on every replica at the same time; results in replica order.
+
+    Threads suffice: each replica's engine runs in its own process, and this one only waits for it. One replica
+    runs in the calling thread, so the usual single-engine case starts no thread.
+    """
+    args = [(llm,) if blocks is None else (llm, block) for llm, block in zip(llms, blocks or llms, strict=True)]
+    if len(args) == 1:
+        return [call(*args[0])]
+    with ThreadPoolExecutor(max_workers=len(args), thread_name_prefix="lit_gmc-vllm-replica") as pool:
+        futures = [pool.submit(call, *a) for a in args]
+        return [future.result() for future in futures]
+
+
 class VLLMEngine(RolloutEngine):
     """Samples with ``vllm.LLM``; weights are replaced in place by :meth:`load_weights`.
 
@@ -116,7 +141,10 @@ class VLLMEngine(RolloutEngine):
     Args:
         layout: ``colocated`` (in this process, on the learner's device) or ``dedicated`` (own process and GPUs).
         devices: ``dedicated`` on GPU only: CUDA device ids for vLLM, e.g. ``"1"`` or ``"1,2"``.
-        tensor_parallel_size: GPUs per vLLM replica; ``null`` takes the number of ``devices`` (else 1).
+        tensor_parallel_size: GPUs per vLLM replica; ``null`` takes the number of ``devices`` per replica (else 1).
+        replicas: ``dedicated`` only: data-parallel vLLM engines, each in its own process on its own
+            ``tensor_parallel_size`` GPUs (``devices`` lists ``replicas x tensor_parallel_size`` ids, replica by
+            replica); a launch's prompts are split across them.
         sleep_between_rollouts: ``colocated`` on GPU only: free vLLM's GPU memory while the actor trains.
         dtype: vLLM weight dtype (``auto`` follows the checkpoint config; the paper uses ``bfloat16``). Weights
             published by the learner are cast to it, so an fp32 learner still samples in bf16.
@@ -142,18 +170,21 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        replicas: int = 1,
     ) -> None:
         self.layout, self.devices, self.tensor_parallel_size = layout, devices, tensor_parallel_size
+        self.replicas = replicas
         self.sleep_between_rollouts, self.dtype_option = sleep_between_rollouts, dtype
         self.gpu_memory_utilization, self.kv_cache_memory_bytes = gpu_memory_utilization, kv_cache_memory_bytes
         self.max_model_len, self.enforce_eager = max_model_len, enforce_eager
         self.enable_prefix_caching, self.seed = enable_prefix_caching, seed
         check_options("VLLMEngine", self.option_problems(
             layout, devices, tensor_parallel_size, sleep_between_rollouts, gpu_memory_utilization,
-            kv_cache_memory_bytes,
+            kv_cache_memory_bytes, replicas=replicas,
         ))  # fmt: skip
         self.tokenizer = None
-        self.llm = None
+        self.llm = None  # the first replica (the only one unless ``replicas > 1``)
+        self.llms: list = []
         self._version = 0
         self._lock = threading.Lock()  # generate and load_weights may come from different threads
         self._asleep = False
@@ -164,6 +195,7 @@ class VLLMEngine(RolloutEngine):
     def option_problems(
         layout: str, devices: str | None, tensor_parallel_size: int | None, sleep_between_rollouts: bool,
         gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, cuda: bool | None = None,
+        replicas: int = 1,
     ) -> list[str]:  # fmt: skip
         """Every inconsistent option, one line each, named by its init arg.
 
@@ -185,6 +217,17 @@ class VLLMEngine(RolloutEngine):
             out.append(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
             out.append(f"kv_cache_memory_bytes={kv_cache_memory_bytes} must be > 0")
+        if replicas < 1:
+            out.append(f"replicas={replicas} must be >= 1")
+        elif replicas > 1 and layout != "dedicated":
+            out.append(f"replicas={replicas} needs layout=dedicated (each replica is its own engine process)")
+        elif replicas > 1 and devices is not None:
+            count = len(devices.split(","))
+            per_replica = tensor_parallel_size or count // replicas
+            if count != replicas * per_replica:
+                out.append(
+                    f"devices={devices!r} must list replicas x tensor_parallel_size = {replicas} x {per_replica} ids"
+                )
         return out
 
     @property
@@ -197,7 +240,14 @@ class VLLMEngine(RolloutEngine):
         """Tensor-parallel degree actually used."""
         if self.tensor_parallel_size is not None:
             return self.tensor_parallel_size
-        return len(self.devices.split(",")) if self.devices else 1
+        return len(self.devices.split(",")) // self.replicas if self.devices else 1
+
+    def replica_devices(self, replica: int) -> str | None:
+        """The CUDA ids of replica ``replica`` (a block of ``parallel_size`` of ``devices``), or ``None``."""
+        if self.devices is None:
+            return None
+        ids = self.devices.split(",")
+        return ",".join(ids[replica * self.parallel_size : (replica + 1) * self.parallel_size])
 
     def start(self, actor: str, tokenizer=None) -> None:
         """Start vLLM on ``actor`` (a folder or hub name in ``save_pretrained`` layout, or ``"tiny"``).
@@ -209,6 +259,7 @@ class VLLMEngine(RolloutEngine):
         check_options("VLLMEngine", self.option_problems(
             self.layout, self.devices, self.tensor_parallel_size, self.sleep_between_rollouts,
             self.gpu_memory_utilization, self.kv_cache_memory_bytes, cuda=torch.cuda.is_available(),
+            replicas=self.replicas,
         ))  # fmt: skip
         model_path = resolve_actor_path(actor)
         if tokenizer is None:
@@ -227,16 +278,18 @@ class VLLMEngine(RolloutEngine):
                     raise RuntimeError("only one colocated VLLMEngine can be open per process; close() the other")
                 _in_process_open.append(self)
         try:
-            self.llm = self._start(model_path)
+            for replica in range(self.replicas):  # one after another: each takes its devices from the environment
+                self.llms.append(self._start(model_path, self.replica_devices(replica)))
         except BaseException:
-            self._release_slot()
+            self.close()
             raise
+        self.llm = self.llms[0]
         model_config = self.llm.llm_engine.model_config
         self.tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
         self.dtype: torch.dtype = model_config.dtype
         self._sleep()
 
-    def _start(self, model_path: str):
+    def _start(self, model_path: str, devices: str | None):
         opts, cuda = self, torch.cuda.is_available()
         # vLLM reads these when the engine starts: in-process for colocated (tensors are passed by reference),
         # a separate engine process for dedicated. On CPU, do not let vLLM pin this process's threads.
@@ -267,11 +320,11 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_chunked_prefill"] = False
             longest = opts.max_model_len or checkpoint_config(model_path).max_position_embeddings
             kwargs["max_num_batched_tokens"] = longest
-        if opts.devices is None:
+        if devices is None:
             return self.vllm.LLM(**kwargs)
         # The engine process inherits the environment at spawn: it sees only ``devices``; this one is unchanged.
         previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = opts.devices
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
         try:
             return self.vllm.LLM(**kwargs)
         finally:
@@ -310,7 +363,7 @@ class VLLMEngine(RolloutEngine):
             if self.in_process:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
             else:
-                self._reload_through_shm(named)
+                self._reload_through_shm(named)  # every replica reads the same file
             self._weights_valid = True
             self._cache_stale = True
             self._version = version
@@ -329,7 +382,9 @@ class VLLMEngine(RolloutEngine):
             tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in named}
             save_file(tensors, os.path.join(folder, "model.safetensors"))
             del tensors
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            on_every_replica(
+                self.llms, lambda llm: llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -349,10 +404,13 @@ class VLLMEngine(RolloutEngine):
                 raise RuntimeError("VLLMEngine.generate after a failed load_weights: load a complete set of weights")
             self._wake()
             if self._cache_stale:
-                if self.llm.reset_prefix_cache() is False:
+                if any(llm.reset_prefix_cache() is False for llm in self.llms):
                     raise RuntimeError("vLLM refused to reset its prefix cache; stale prompt states would be reused")
                 self._cache_stale = False
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            blocks = contiguous_blocks(len(requests), len(self.llms))
+            per_replica = on_every_replica(self.llms, lambda llm, block: llm.generate(
+                requests[block], params[block], use_tqdm=False), blocks)  # fmt: skip
+            outputs = [out for block_outputs in per_replica for out in block_outputs]
             version = self._version
             self._sleep()
         return [self._group(p, ids, out, version) for p, ids, out in zip(prompts, encoded, outputs, strict=True)]
@@ -401,9 +459,9 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         """Shut vLLM down (its engine process too, in the dedicated layout); idempotent."""
         with self._lock:
-            if self.llm is not None:
-                self.llm.llm_engine.engine_core.shutdown()
-                self.llm = None
+            for llm in self.llms:
+                llm.llm_engine.engine_core.shutdown()
+            self.llms, self.llm = [], None
         self._release_slot()
 
     def _release_slot(self) -> None:

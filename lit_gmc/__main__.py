@@ -1,18 +1,42 @@
-"""``python -m lit_gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``export``: checkpoint to HF folder."""
+"""``python -m lit_gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``export``: checkpoint to HF folder.
 
+A user's mistake (:class:`~lit_gmc.errors.UserError`: an option, a config, data file or checkpoint) prints one
+line and exits with status 2; a run stopped by SIGTERM, once it has saved ``last.ckpt``, exits with 143
+(128 + SIGTERM, as if the signal had ended it); anything else is a bug and keeps its traceback.
+"""
+
+import signal
 import sys
+
+from lit_gmc.errors import UserError
+
+PREEMPTED = 128 + signal.SIGTERM
+
+
+def run(argv: list[str]) -> None:
+    """Run ``export`` or the LightningCLI entry point (``fit``, ``validate``, ...) on ``argv``."""
+    if argv[:1] == ["export"]:
+        from lit_gmc.export import main as export
+
+        export(argv[1:])
+        return
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lit_gmc.cli import GMCCLI
+
+    try:
+        GMCCLI(args=argv)
+    except SIGTERMException:  # a SystemExit without a code, which would exit 0 as if the run had finished
+        sys.exit(PREEMPTED)
 
 
 def main() -> None:
-    """Run ``export`` or the LightningCLI entry point (``fit``, ``validate``, ...) on the command-line arguments."""
-    if sys.argv[1:2] == ["export"]:
-        from lit_gmc.export import main as export
-
-        export(sys.argv[2:])
-        return
-    from lit_gmc.cli import GMCCLI
-
-    GMCCLI()
+    """``run`` on the command line, with user errors as one line on stderr and exit status 2."""
+    try:
+        run(sys.argv[1:])
+    except UserError as err:
+        print(f"lit_gmc: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

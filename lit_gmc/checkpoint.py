@@ -1,4 +1,7 @@
-"""Checkpoint writing: atomic files (a crash while saving never leaves a truncated ``last.ckpt``) and a final save."""
+"""Checkpoint writing: atomic files (a crash while saving never leaves a truncated ``last.ckpt``), final saves.
+
+``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 
@@ -40,11 +45,16 @@ warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual opt
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that also saves at listed steps, and writes ``last.ckpt`` when training ends.
+    """``ModelCheckpoint`` that also saves at listed steps, writes ``last.ckpt`` when training ends, and on SIGTERM.
 
     Lightning's own writes ``last.ckpt`` at the end only if it never wrote one, so with ``every_n_train_steps``
     the final updates of a run would exist in no checkpoint. ``at_steps`` gives the paper's checkpoints
     (200/300/400/800), which no single period produces.
+
+    Preemption: on SIGTERM Lightning finishes the update in progress (its end-of-step hooks included) and then
+    raises ``SIGTERMException``; this callback then writes ``last.ckpt`` (through the trainer's checkpoint IO,
+    atomic with :class:`AtomicCheckpointIO`), whatever ``save_last`` says, so that ``--ckpt_path last`` resumes
+    the run exactly where it stopped. ``python -m lit_gmc`` then exits with status 143.
 
     Args:
         at_steps: Optimizer steps at which to save, besides every ``every_n_train_steps``; ``null``: none.
@@ -69,3 +79,16 @@ class RunCheckpoint(ModelCheckpoint):
         if self.save_last and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Only SIGTERM: Lightning raises it between two updates. Any other exception may stop an update half-way,
+        # and a checkpoint of that state would not resume the run exactly.
+        if not isinstance(exception, SIGTERMException) or self.dirpath is None or trainer.global_step == 0:
+            return
+        if self.save_last and self._last_global_step_saved == trainer.global_step:
+            return  # last.ckpt already holds this step
+        path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        trainer.save_checkpoint(path, weights_only=False)  # the full state, whatever save_weights_only says
+        self._last_global_step_saved = trainer.global_step
+        rank_zero_info(f"SIGTERM: saved {path} at step {trainer.global_step}; resume with --ckpt_path last")

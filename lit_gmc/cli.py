@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
+import re
+import sys
+from argparse import ArgumentError
 from importlib.resources import files
+from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 from jsonargparse import Namespace
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
@@ -17,7 +25,9 @@ from lit_gmc.data import live, math_task, virtual_clock, vllm_engine  # noqa: F4
 from lit_gmc.data.components import component_problems
 from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.eps_schedules import validate_eps_schedule_args
+from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
+from lit_gmc.resume import RunSettings, check_resume, run_settings
 
 MODEL_VALIDATORS = (validate_model_args, validate_eps_schedule_args)
 DATA_COMPONENTS = ("schedule", "engine", "task")
@@ -43,6 +53,80 @@ def collect_problems(config: Namespace) -> list[str]:
             init_args = init_args.as_dict() if isinstance(init_args, Namespace) else {}
             problems += component_problems(import_class(spec.class_path), init_args, f"--data.{key}")
     return problems
+
+
+def bad_value(message: str) -> tuple[str, str] | None:
+    """``(flag, problem)`` of a parser message about one value of the wrong type, else None.
+
+    ``Parser key "data.schedule": ... Parser key "delay": Expected a <class 'int'>. Got value: abc`` gives
+    ``("--data.schedule.delay", "--data.schedule.delay=abc: expected int")``; a union lists each type it tried.
+    """
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    value = re.search(r"(?:Got|Given) value: (.*)$", message, re.M)
+    expected = re.findall(r"Expected a (.+?)(?:\. Got value:|$)", message, re.M)
+    if not keys or value is None or not expected:
+        return None
+    names = [re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", kind).replace("typing.", "") for kind in expected]
+    names = [name.replace("NoneType", "null") for name in dict.fromkeys(names)]
+    flag = "--" + ".".join(keys)
+    return flag, f"{flag}={value[1].strip()}: expected {' or '.join(names)}"
+
+
+def without_option(argv: list[str], flag: str) -> list[str] | None:
+    """``argv`` less the first ``flag VALUE`` or ``flag=VALUE``; None when the command line does not give ``flag``."""
+    for index, arg in enumerate(argv):
+        if arg == flag:
+            return argv[:index] + argv[index + 2 :]
+        if arg.startswith(flag + "="):
+            return argv[:index] + argv[index + 1 :]
+    return None
+
+
+def config_files(argv: list[str]) -> list[Path]:
+    """The ``--config`` files of a command line that exist, in order (later ones override earlier ones)."""
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    paths += [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]
+    return [Path(path) for path in paths if Path(path).is_file()]
+
+
+def yaml_problem(argv: list[str]) -> str | None:
+    """``--config FILE: not valid YAML (line, column): problem`` for the first ``--config`` file YAML cannot read."""
+    for path in config_files(argv):
+        try:
+            yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            return f"--config {path}: not valid YAML{where}: {getattr(err, 'problem', None) or err}"
+    return None
+
+
+def setting_file(argv: list[str], flag: str) -> Path | None:
+    """The last ``--config`` file that sets ``flag`` (``--data.schedule.delay`` may sit under ``init_args``)."""
+    found = None
+    for path in config_files(argv):
+        with contextlib.suppress(yaml.YAMLError, OSError):
+            node = yaml.safe_load(path.read_text(encoding="utf-8"))
+            for key in flag.removeprefix("--").split("."):
+                if isinstance(node, dict) and key not in node:
+                    node = node.get("init_args")
+                if not (isinstance(node, dict) and key in node):
+                    break
+                node = node[key]
+            else:
+                found = path
+    return found
+
+
+def parse_error_message(message: str, argv: list[str], noted: list[str]) -> str:
+    """One message for a parse error, after the ``noted`` bad values; a YAML syntax error names its file."""
+    bad = bad_value(message)
+    if bad is not None:  # a bad value in a config file, which cannot be dropped like one on the command line
+        where = setting_file(argv, bad[0])
+        message = bad[1] + (f" (set in {where})" if where else "")
+    elif message.startswith("Problems parsing config"):
+        message = yaml_problem(argv) or message
+    return "\n  ".join(["invalid options:", *noted, message]) if noted else message
 
 
 def checkpoint_dir(logger: object) -> str | None:
@@ -71,10 +155,17 @@ class GMCCLI(LightningCLI):
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        defaults = {"default_config_files": [embedded_default()]}
-        kwargs.setdefault("parser_kwargs", {cmd: defaults for cmd in ("fit", "validate", "test", "predict")})
+        # exit_on_error=False: a parse error raises, so that it can be told apart (parse_arguments) and printed as
+        # one line by __main__ rather than after the whole usage text.
+        defaults = {"default_config_files": [embedded_default()], "exit_on_error": False}
+        commands = {cmd: defaults for cmd in ("fit", "validate", "test", "predict")}
+        kwargs.setdefault("parser_kwargs", {"exit_on_error": False, **commands})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(GMCModule, RolloutDataModule, *args, **kwargs)
+
+    def subcommand_config(self) -> Namespace:
+        """The parsed config of the subcommand (``fit``, ...), or the whole config without one (``run=False``)."""
+        return self.config[self.subcommand] if self.subcommand else self.config
 
     @override
     def add_arguments_to_parser(self, parser) -> None:
@@ -92,12 +183,61 @@ class GMCCLI(LightningCLI):
         )
 
     @override
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        if config.torch_num_threads is not None:
-            torch.set_num_threads(config.torch_num_threads)
+    def parse_arguments(self, parser, args) -> None:
+        """Parse as LightningCLI does, then :meth:`check_config`, before the seed is set or anything is built.
+
+        jsonargparse stops at the first value of the wrong type: each one given on the command line is noted and
+        dropped and the rest parsed again, so that all of them are reported with the range problems in one message.
+        Any other parse error is one :class:`UserError` (a YAML syntax error names its ``--config`` file).
+        """
+        argv = None if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
+        noted: list[str] = []
+        while True:
+            try:
+                self.config = parser.parse_object(args) if argv is None else parser.parse_args(argv)
+                break
+            except ArgumentError as err:
+                bad = bad_value(str(err)) if argv is not None else None
+                rest = without_option(argv, bad[0]) if bad else None
+                if rest is None:
+                    raise UserError(parse_error_message(str(err), argv or [], noted)) from None
+                noted.append(bad[1])
+                argv = rest
+        self.check_config(noted)
+
+    def check_config(self, noted: list[str]) -> None:
+        """Raise one :class:`UserError` naming every invalid option (``noted`` first), or the ``--ckpt_path`` problem.
+
+        Also places the checkpoints beside the logger when ``--checkpoint.dirpath`` is not given.
+        """
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
         if config.checkpoint.dirpath is None:
             config.checkpoint.dirpath = checkpoint_dir(config.trainer.logger)
-        problems = collect_problems(config)
+        problems = noted + collect_problems(config)
         if problems:
-            self.parser.error("invalid options:\n  " + "\n  ".join(problems))
+            raise UserError("invalid options:\n  " + "\n  ".join(problems))
+        if config.get("ckpt_path"):
+            settings = run_settings(config) if subcommand == "fit" else None
+            check_resume(config.ckpt_path, config.checkpoint.dirpath, settings)
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: :func:`~lit_gmc.resume.check_resume` has checked the checkpoint (:meth:`check_config`).
+
+        Lightning's own reads the checkpoint's model options over the command line's (for a file path, not for
+        ``last``), so a resume with changed settings would silently run with the old ones, and it fails with a
+        bare ``KeyError`` or ``AttributeError`` on a file that is not a checkpoint.
+        """
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.subcommand_config()
+        if config.torch_num_threads is not None:
+            torch.set_num_threads(config.torch_num_threads)
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(RunSettings(run_settings(self.subcommand_config())))  # read back on resume
+        return trainer

@@ -6,6 +6,7 @@ log-probs and versions, and new weights leave through the ``WeightSync`` callbac
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Literal, get_args
 
@@ -306,10 +307,15 @@ class GMCModule(pl.LightningModule):
         # (global normalisers), so scaling by the world size makes the averaged gradient the whole batch's.
         _, world = rank_and_world()
         losses, outputs, entropies, logprobs = [], [], [], []
-        for start in range(0, batch.num_groups, per_pass):
+        starts = range(0, batch.num_groups, per_pass)
+        for start in starts:
             part = batch.groups_slice(start, min(start + per_pass, batch.num_groups))
             loss, out, entropy, current = self.micro_batch_loss(batch, part)
-            self.manual_backward(loss * world if world > 1 else loss)
+            # DDP: gradients are all-reduced once, with the last micro-batch (FSDP2 reduce-scatters each one, which
+            # keeps its gradients sharded between micro-batches).
+            last = start == starts[-1]
+            with contextlib.nullcontext() if last else self._without_gradient_sync():
+                self.manual_backward(loss * world if world > 1 else loss)
             losses.append(loss.detach())
             outputs.append(out)
             entropies.append(entropy.masked_select(part.response_mask))
@@ -332,6 +338,12 @@ class GMCModule(pl.LightningModule):
         self.lr_schedulers().step()
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
+
+    def _without_gradient_sync(self) -> contextlib.AbstractContextManager:
+        """Lightning's DDP gradient-sync block (``DistributedDataParallel.no_sync``); a no-op elsewhere."""
+        trainer = self._trainer
+        block = getattr(trainer.strategy, "block_backward_sync", None) if trainer is not None else None
+        return block() if block is not None else contextlib.nullcontext()
 
     def _first_non_finite_grad(self) -> str:
         """``" (first non-finite in <name>)"`` for the first parameter whose local gradient is not finite, or ``""``."""

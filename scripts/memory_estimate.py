@@ -2,6 +2,7 @@
 
     python scripts/memory_estimate.py                                   # the three models, the paper's lengths
     python scripts/memory_estimate.py --models 1.7B --completion-tokens 2048 --fsdp 1 2
+    python scripts/memory_estimate.py --learner-ranks 1 2 4 8 --strategy ddp fsdp2   # + per-rank table
 
 What is counted (GiB = 2**30 bytes), for one micro-batch of ``sequences`` rows of ``prompt + completion`` tokens:
 
@@ -23,6 +24,15 @@ What is counted (GiB = 2**30 bytes), for one micro-batch of ``sequences`` rows o
 - FSDP over k GPUs (Lightning's FSDP with ``bf16-mixed``: bf16 all-gathered parameters, fp32 sharded masters):
   model states divided by k, plus the bf16 gather of two decoder layers (current and prefetched) and of the
   embedding and head; activations are those of bf16 compute, since the gathered weights are bf16.
+- Per learner rank under ``--trainer.strategy`` (``--learner-ranks k``, :func:`per_rank`), for what lit_gmc
+  ships: ``ddp`` keeps everything whole on every rank and adds DDP's all-reduce buckets, a second copy of the
+  gradients (Lightning's ``DDPStrategy`` leaves ``gradient_as_bucket_view`` off); ``fsdp2``
+  (``lit_gmc.strategies.FSDP2Strategy``: ``fully_shard`` per decoder layer plus a root unit of embedding, final
+  norm and head, no ``MixedPrecisionPolicy``) divides weights, gradients and optimizer states by k exactly
+  (dim-0 padding ignored) and divides nothing else: activations and the LM-head chunk are the single device's
+  (autocast over gathered fp32 weights), plus the gathered fp32 weights of two decoder layers (current and
+  prefetched) and of the root unit (FSDP2 keeps the root gathered from forward through backward), and the
+  root's unsharded head gradient, reduce-scattered only when the backward ends.
 
 Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), gradient temporaries of the
 layer being back-propagated, and the rollout engine (colocated vLLM takes ``gpu_memory_utilization`` of the GPU
@@ -210,6 +220,46 @@ def fsdp_per_gpu(arch: Arch, setting: Setting, work: Workload, shards: int) -> d
             "peak": peak / GIB}  # fmt: skip
 
 
+def ddp_per_rank(arch: Arch, setting: Setting, work: Workload) -> dict[str, float]:
+    """One rank's share under DDP, in GiB: the single device's parts (nothing is divided, whatever the number of
+    ranks), plus ``buckets``, the all-reduce buckets, a full copy of the gradients when ``gradient_as_bucket_view``
+    is off (torch's and Lightning's default)."""
+    parts = single_gpu(arch, setting, work)
+    buckets = parts["grads"]
+    return {**parts, "buckets": buckets, "resident": parts["resident"] + buckets, "peak": parts["peak"] + buckets}
+
+
+def root_unit_sizes(arch: Arch) -> int:
+    """Elements in FSDP2's root unit (``GMCModule.configure_model``): embedding, final norm and untied head."""
+    return arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden
+
+
+def fsdp2_per_rank(arch: Arch, setting: Setting, work: Workload, ranks: int) -> dict[str, float]:
+    """One rank's share under ``lit_gmc.strategies.FSDP2Strategy`` over ``ranks`` learner ranks, in GiB.
+
+    ``params``, ``grads`` and ``optimizer`` are the single device's divided by ``ranks``; ``checkpoints``,
+    ``layer`` and ``head`` (activations, the LM-head chunk) are not divided; ``gathered`` is the unsharded
+    weights in their own dtype (two decoder layers and the root unit) and ``unsharded_grads`` the root's head
+    gradient, which lives until the root's reduce-scatter at the end of the backward.
+    """
+    states = state_parts(arch, setting, ranks)
+    acts = activation_parts(arch, setting, work)
+    gathered = setting.param_bytes * (2 * sum(layer_parameter_sizes(arch)) + root_unit_sizes(arch))
+    unsharded_grads = setting.param_bytes * (arch.vocab * arch.hidden + arch.hidden)
+    resident = sum(states.values())
+    parts = {**states, **acts, "gathered": gathered, "unsharded_grads": unsharded_grads, "resident": resident}
+    parts["peak"] = resident + gathered + unsharded_grads + acts["checkpoints"] + max(acts["layer"], acts["head"])
+    return {k: v / GIB for k, v in parts.items()}
+
+
+def per_rank(strategy: Literal["ddp", "fsdp2"], arch: Arch, setting: Setting, work: Workload, ranks: int
+             ) -> dict[str, float]:  # fmt: skip
+    """One learner rank's parts and ``peak``, in GiB, under ``--trainer.strategy`` over ``ranks`` ranks."""
+    if strategy == "ddp":
+        return ddp_per_rank(arch, setting, work)
+    return fsdp2_per_rank(arch, setting, work, ranks)
+
+
 def gb(value: float) -> str:
     """GiB with one decimal."""
     return f"{value:.1f}"
@@ -246,6 +296,19 @@ def fsdp_table(models: list[str], work: Workload, shard_counts: list[int]) -> st
     return "\n".join(lines)
 
 
+def per_rank_table(models: list[str], work: Workload, ranks: list[int], strategies: list[str]) -> str:
+    """The shipped setting's peak per learner rank (and its resident states) under each strategy over k ranks."""
+    header = " | ".join(f"k = {k}" for k in ranks)
+    lines = [f"| model | strategy | {header} |", "|---|---|" + "---:|" * len(ranks)]
+    for key in models:
+        arch = QWEN3[key]
+        for strategy in strategies:
+            parts = [per_rank(strategy, arch, SETTINGS[0], work, k) for k in ranks]  # type: ignore[arg-type]
+            cells = " | ".join(f"{gb(p['peak'])} ({gb(p['resident'])})" for p in parts)
+            lines.append(f"| {arch.name} | {strategy} | {cells} |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(QWEN3), choices=list(QWEN3))
@@ -255,6 +318,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-positions", type=int, default=Workload.chunk_positions, help="logit_chunk_tokens")
     parser.add_argument("--fsdp", type=int, nargs="*", default=[1, 2, 4, 8],
                         help="GPU counts for the FSDP table (none: no table)")  # fmt: skip
+    parser.add_argument("--learner-ranks", type=int, nargs="*", default=[],
+                        help="learner ranks k for the per-rank table of --strategy (none: no table)")  # fmt: skip
+    parser.add_argument("--strategy", nargs="+", choices=["ddp", "fsdp2"], default=["ddp", "fsdp2"],
+                        help="--trainer.strategy values in the per-rank table")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -268,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.fsdp:
         print("\nShipped setting sharded with FSDP over k GPUs: peak per GPU (model states resident between steps).\n")
         print(fsdp_table(args.models, work, args.fsdp))
+    if args.learner_ranks:
+        print("\nShipped setting per learner rank under --trainer.strategy ddp / fsdp2 (lit_gmc's FSDP2: fp32 "
+              "gathers, autocast) over k ranks: peak (model states resident between steps).\n")  # fmt: skip
+        print(per_rank_table(args.models, work, args.learner_ranks, args.strategy))
 
 
 if __name__ == "__main__":

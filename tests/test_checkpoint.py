@@ -1,10 +1,14 @@
-"""Checkpoint files: atomic replacement, and a last.ckpt that holds the end of the run."""
+"""Checkpoint files: atomic replacement, and a last.ckpt that holds the end of the run (or the step SIGTERM ended)."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_gmc.checkpoint import AtomicCheckpointIO, RunCheckpoint
 
@@ -59,3 +63,45 @@ def test_last_checkpoint_is_the_end_of_the_run_between_periodic_saves(tmp_path):
         "epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"
     ]
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 7
+
+
+class Interrupt(pl.Callback):
+    """At the start of update ``step`` (0-based), send this process SIGTERM, or raise ``error``."""
+
+    def __init__(self, step: int, error: Exception | None = None) -> None:
+        self.step, self.error = step, error
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx != self.step:
+            return
+        if self.error is not None:
+            raise self.error
+        # Lightning's handler only notes the signal; without it this would end the test process.
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def fit_tiny(tmp_path, interrupt: Interrupt, save_last: bool) -> None:
+    saver = RunCheckpoint(dirpath=tmp_path, every_n_train_steps=0, save_last=save_last, save_top_k=0)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=7, max_epochs=1, logger=False,
+                         callbacks=[saver, interrupt], enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[AtomicCheckpointIO()])  # fmt: skip
+    trainer.fit(Tiny())
+
+
+@pytest.mark.parametrize("save_last", [True, False])
+def test_sigterm_saves_last_ckpt_once_the_update_in_progress_is_done(tmp_path, save_last):
+    with pytest.raises(SIGTERMException):
+        fit_tiny(tmp_path, Interrupt(3), save_last)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 4  # update 3 was under way when the signal came: it finished first
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert progress["ready"] == progress["completed"] == 4
+
+
+def test_other_exceptions_save_nothing(tmp_path):
+    """A crash may stop an update half-way: its state is not a checkpoint to resume from."""
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_tiny(tmp_path, Interrupt(3, RuntimeError("crash")), save_last=True)
+    assert list(tmp_path.iterdir()) == []

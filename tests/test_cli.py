@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 from docstring_parser import parse as parse_docstring
 
+import lit_gmc.__main__ as entry
 from lit_gmc.cli import GMCCLI
 from lit_gmc.data.datamodule import RolloutDataModule
+from lit_gmc.data.math_task import Math
+from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +98,7 @@ def test_an_option_of_another_schedule_cannot_be_given():
 
 
 def test_closed_choices_are_checked_by_the_parser():
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match=r"--data.engine.layout=sideways: expected Literal\['colocated', 'dedicated'\]"):
         parse("--data.engine", "VLLMEngine", "--data.engine.layout", "sideways")
     assert parse("--data.engine", "VLLMEngine", "--data.engine.layout", "dedicated").data.engine.init_args.layout == (
         "dedicated"
@@ -189,3 +192,63 @@ def test_corollary1_threshold_is_refused_for_rules_other_than_gmc():
     assert "--model.eps_schedule=corollary1" in out.stderr and "'tic'" in out.stderr
     assert "group-mass cap" in out.stderr
     assert parse("--model.correction", "gmc", "--model.eps_schedule", "corollary1").model.eps_schedule == "corollary1"
+
+
+def test_type_errors_and_range_errors_are_reported_together():
+    with pytest.raises(UserError) as refused:
+        parse("--data.group_size", "abc", "--model.lr=x", "--model.eps", "none?", "--data.schedule.delay", "soon",
+              "--data.batch_prompts", "0", "--model.correction", "nope")  # fmt: skip
+    assert str(refused.value).splitlines() == [
+        "invalid options:",
+        "  --data.group_size=abc: expected int",
+        "  --model.lr=x: expected float",
+        "  --model.eps=none?: expected float or null",
+        "  --data.schedule.delay=soon: expected int",
+        "  --model.correction='nope' is not one of gmc, tic, is, grpo, vcpo, gac, a3po, a3po_capped, cispo, tis",
+        "  --data.batch_prompts=0 must be >= 1",
+    ]
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  lr: [1,\n")
+    with pytest.raises(UserError, match=rf"^--config {broken}: not valid YAML \(line 3, column 1\)"):
+        parse("--config", str(broken))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  schedule:\n    init_args:\n      delay: soon\n")
+    with pytest.raises(UserError, match=rf"^--data.schedule.delay=soon: expected int \(set in {typo}\)$"):
+        parse("--config", str(typo))
+
+
+def test_a_user_error_is_one_line_with_status_2_and_a_bug_keeps_its_traceback(tmp_path, monkeypatch, capsys):
+    done = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--data.task", "Math", "--data.task.path",
+                           str(tmp_path / "absent.jsonl")], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(f"lit_gmc: error: data not found: {tmp_path / 'absent.jsonl'}")
+
+    def bug(argv):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(entry, "run", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        entry.main()
+    monkeypatch.setattr(entry, "run", lambda argv: Math(path=str(tmp_path / "absent.jsonl")))
+    with pytest.raises(SystemExit) as stopped:
+        entry.main()
+    assert stopped.value.code == 2 and capsys.readouterr().err.startswith("lit_gmc: error: data not found")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"problem": "1+1", "solution": "2"}\n{"problem": oops\n', r"bad\.jsonl:2: not valid JSON"),
+        ('{"problem": "1+1"}\n', r"bad\.jsonl: no column 'solution' in any row"),
+        ('{"problem": "1+1", "solution": "2"}\n{"problem": "2+2", "solution": null}\n', r"bad\.jsonl:2: missing field"),
+    ],
+    ids=["malformed", "no-solution-column", "row-without-solution"],
+)
+def test_data_file_errors_are_user_errors(tmp_path, text, message):
+    (tmp_path / "bad.jsonl").write_text(text)
+    with pytest.raises(UserError, match=message):
+        Math(path=str(tmp_path / "bad.jsonl"), verifier_workers=1)

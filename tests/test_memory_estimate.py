@@ -132,6 +132,47 @@ def test_8bit_adamw_states_match_bitsandbytes():
     assert state == mem.optimizer_bytes(mem.parameter_sizes(arch), mem.SETTINGS[0])
 
 
+@pytest.mark.parametrize("key", sorted(mem.QWEN3))
+def test_per_rank_estimates_against_a_direct_computation(key):
+    """FSDP2 divides weights, gradients and optimizer states by k exactly and nothing else; DDP divides nothing and
+    adds one copy of the gradients (its all-reduce buckets) to the single device's figure."""
+    arch, setting, work = mem.QWEN3[key], mem.SETTINGS[0], mem.Workload()
+    single = mem.single_gpu(arch, setting, work)
+    n, h, v = mem.param_count(arch), arch.hidden, arch.vocab
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    layer = h * q + 2 * h * kv + q * h + 2 * arch.head_dim + 3 * h * arch.intermediate + 2 * h  # one decoder layer
+    root = v * h * (1 if arch.tied else 2) + h  # embedding (+ untied head) and final norm
+    unsharded = ("checkpoints", "layer", "head")
+    for k in (1, 2, 4, 8):
+        ddp = mem.per_rank("ddp", arch, setting, work, k)
+        assert all(ddp[part] == single[part] for part in ("params", "grads", "optimizer", *unsharded))
+        assert ddp["buckets"] == 4 * n / mem.GIB
+        assert ddp["resident"] == pytest.approx(single["resident"] + 4 * n / mem.GIB, rel=1e-12)
+        assert ddp["peak"] == pytest.approx(single["peak"] + 4 * n / mem.GIB, rel=1e-12)
+
+        fsdp = mem.per_rank("fsdp2", arch, setting, work, k)
+        assert fsdp["params"] == fsdp["grads"] == 4 * n / k / mem.GIB
+        assert fsdp["optimizer"] * k == single["optimizer"]  # k is a power of two: exact in floating point
+        assert fsdp["resident"] * k == pytest.approx(single["resident"], rel=1e-12)
+        assert all(fsdp[part] == single[part] for part in unsharded)
+        assert fsdp["gathered"] == 4 * (2 * layer + root) / mem.GIB
+        assert fsdp["unsharded_grads"] == 4 * (v * h + h) / mem.GIB
+        peak = single["resident"] / k + 4 * (2 * layer + root + v * h + h) / mem.GIB
+        peak += single["checkpoints"] + max(single["layer"], single["head"])
+        assert fsdp["peak"] == pytest.approx(peak, rel=1e-12)
+    assert mem.per_rank("fsdp2", arch, setting, work, 8)["peak"] < single["peak"]
+
+
+def test_main_prints_the_per_rank_table_only_when_asked(capsys):
+    mem.main(["--models", "8B", "--fsdp"])
+    assert "| model | strategy |" not in capsys.readouterr().out
+    mem.main(["--models", "8B", "--fsdp", "--learner-ranks", "1", "4", "--strategy", "fsdp2"])
+    out = capsys.readouterr().out
+    assert "| model | strategy | k = 1 | k = 4 |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| Qwen3-8B | ")]
+    assert [row.split(" | ")[1] for row in rows] == ["fsdp2"]
+
+
 def test_main_prints_both_tables(capsys):
     mem.main(["--models", "1.7B", "--completion-tokens", "1024", "--fsdp", "1", "2"])
     out = capsys.readouterr().out

@@ -1,0 +1,20 @@
+"""Errors a user caused (an option, a config file, a data file, a checkpoint), told apart from bugs.
+
+``python -m lit_gmc`` prints a :class:`UserError` as one line, ``lit_gmc: error: <message>``, and exits with
+status 2, the status argparse gives a bad option; any other exception is a bug and keeps its traceback. So a
+message raised as a ``UserError`` must stand alone: name the option, file (and line) or checkpoint, and say what
+is wrong with it.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A problem the user can fix from the message alone: a bad option, config file, data file or checkpoint.
+
+    A ``ValueError``, so code that validated with ``ValueError`` before still catches it.
+    """
+
+
+class UserFileNotFoundError(UserError, FileNotFoundError):
+    """A file or folder the user named does not exist (still a ``FileNotFoundError`` for callers catching that)."""

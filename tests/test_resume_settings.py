@@ -1,0 +1,152 @@
+"""A resume checks its checkpoint: settings that change the run are refused by flag, a non-checkpoint is named.
+
+The allowed changes (``--trainer.max_steps``, memory and speed knobs, logging, callbacks) are listed in
+``lit_gmc/resume.py`` and the README.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from run_helpers import component, fit, records, write_config
+from test_cli import parse
+
+from lit_gmc.errors import UserError
+from lit_gmc.resume import SETTINGS_KEY, changed_settings, check_resume, checkpoint_file, read_checkpoint, run_settings
+
+DELAY2 = {"schedule": component("FixedDelay", delay=2)}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 4-step G = 4 run with checkpoints at steps 2 and 4: its config and its folder."""
+    root = tmp_path_factory.mktemp("settings")
+    config = write_config(root, "run", total=4, every=2, **DELAY2)
+    fit(config)
+    return config, root / "run"
+
+
+def test_every_checkpoint_records_the_runs_settings(finished):
+    _, run = finished
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    settings = checkpoint[SETTINGS_KEY]
+    assert settings["--data.group_size"] == 4 and settings["--model.correction"] == "gmc"
+    assert settings["--data.schedule"] == "lit_gmc.data.schedules.FixedDelay" and settings["--data.schedule.delay"] == 2
+    assert settings["--data.task"] == "lit_gmc.data.tasks.Addition" and "--data.engine.batch_rows" in settings
+
+
+def test_a_resume_with_another_group_size_is_refused_naming_each_change(finished):
+    config, run = finished
+    with pytest.raises(UserError) as refused:
+        fit(config, "--data.group_size", "2", "--model.lr", "1e-3", "--data.schedule.delay", "3",
+            "--ckpt_path", "last")  # fmt: skip
+    message = str(refused.value)
+    assert "last.ckpt was saved with other settings" in message
+    for line in ("--data.group_size: 4 in the checkpoint, 2 now", "--model.lr: 0.0002 in the checkpoint, 0.001 now",
+                 "--data.schedule.delay: 2 in the checkpoint, 3 now"):  # fmt: skip
+        assert line in message, message
+    assert "--trainer.max_steps" not in message and "--data.total_updates" not in message
+
+
+def test_another_schedule_class_is_one_line(finished):
+    config, run = finished
+    with pytest.raises(UserError) as refused:
+        fit(config, "--data.schedule", "Sync", "--ckpt_path", str(run / "checkpoints" / "epoch=0-step=2.ckpt"))
+    lines = str(refused.value).splitlines()[1:-1]
+    assert lines == ["  --data.schedule: 'lit_gmc.data.schedules.FixedDelay' in the checkpoint, "
+                     "'lit_gmc.data.schedules.Sync' now"]  # fmt: skip
+
+
+def test_allowed_changes_resume(tmp_path):
+    """More steps, other memory knobs, threads, display and checkpoint options: the run goes on from its checkpoint."""
+    config = write_config(tmp_path, "grow", total=2, every=2, **DELAY2)
+    fit(config)
+    fit(config, "--trainer.max_steps", "3", "--model.micro_batch_groups", "1", "--model.logit_chunk_tokens", "2",
+        "--torch_num_threads", "1", "--trainer.enable_model_summary", "true", "--checkpoint.every_n_train_steps", "1",
+        "--ckpt_path", "last")  # fmt: skip
+    assert sorted(records(tmp_path / "grow")) == [0, 1, 2]
+
+
+def test_the_user_sees_one_line_and_status_2(finished):
+    config, _ = finished
+    done = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--config", str(config), "--data.group_size", "8",
+                           "--ckpt_path", "last"], capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "lit_gmc: error: --ckpt_path" in done.stderr
+    assert "--data.group_size: 4 in the checkpoint, 8 now" in done.stderr
+
+
+# Unit checks of the comparison (no run).
+
+
+def settings_of(*args: str) -> dict:
+    return run_settings(parse(*args))
+
+
+def test_what_may_change_is_not_compared():
+    saved = settings_of("--data.schedule", "VirtualClock")
+    now = settings_of("--data.schedule", "VirtualClock", "--data.schedule.overlap", "false", "--trainer.max_steps",
+                      "9", "--model.micro_batch_groups", "2", "--model.gradient_checkpointing", "true")  # fmt: skip
+    assert changed_settings(saved, now) == []
+    now = settings_of("--data.schedule", "VirtualClock", "--data.schedule.lam", "5", "--trainer.precision", "64-true",
+                      "--model.dtype", "float64", "--data.engine.batch_rows", "8")  # fmt: skip
+    changed = [line.split(":")[0] for line in changed_settings(saved, now)]
+    assert changed == ["--model.dtype", "--data.engine.batch_rows", "--data.schedule.lam", "--trainer.precision"]
+
+
+def test_a_checkpoint_from_before_the_settings_compares_its_hyperparameters(tmp_path):
+    old = {"pytorch-lightning_version": "2.6.6", "state_dict": {}, "RolloutDataModule": {},
+           "hyper_parameters": {"correction": "gmc", "lr": 2e-4, "_instantiator": "x"},
+           "datamodule_hyper_parameters": {"group_size": 8, "total_updates": 100}}  # fmt: skip
+    torch.save(old, tmp_path / "old.ckpt")
+    now = settings_of("--data.group_size", "4", "--trainer.max_steps", "7")
+    with pytest.raises(UserError, match="--data.group_size: 8 in the checkpoint, 4 now") as refused:
+        check_resume(str(tmp_path / "old.ckpt"), None, now)
+    assert "--model.lr" not in str(refused.value) and "total_updates" not in str(refused.value)
+
+
+def test_last_is_the_newest_last_checkpoint_and_none_before_the_first(tmp_path):
+    assert checkpoint_file("last", str(tmp_path)) is None
+    assert checkpoint_file("last", str(tmp_path / "absent")) is None
+    (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"")
+    assert checkpoint_file("last", str(tmp_path)) is None
+    for age, name in enumerate(("last-v1.ckpt", "last.ckpt")):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))
+    assert checkpoint_file("last", str(tmp_path)) == tmp_path / "last-v1.ckpt"
+    sharded = tmp_path / "last-v2.ckpt"  # a folder of shards (FSDP2 save_distributed_checkpoint), read by its meta.pt
+    sharded.mkdir()
+    assert checkpoint_file("last", str(tmp_path)) == sharded and checkpoint_file(str(sharded), None) == sharded
+    with pytest.raises(UserError, match=r"last-v2.ckpt is not a lit_gmc checkpoint \(a folder without meta.pt\)"):
+        read_checkpoint(sharded)
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"hello\n", "torch.load cannot read it as one"),
+        (bytes(range(256)) * 4, "torch.load cannot read it as one"),
+        ([1, 2], "it holds a list"),
+        ({"a": 1}, "it has no pytorch-lightning_version, state_dict, hyper_parameters, RolloutDataModule"),
+    ],
+    ids=["text", "bytes", "list", "dict"],
+)
+def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path, content, why):
+    path = tmp_path / "thing.ckpt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    with pytest.raises(UserError, match=f"--ckpt_path {path} is not a lit_gmc checkpoint") as refused:
+        parse("--ckpt_path", str(path))
+    assert why in str(refused.value)
+
+
+def test_a_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"--ckpt_path {tmp_path / 'gone.ckpt'}: no such file"):
+        parse("--ckpt_path", str(tmp_path / "gone.ckpt"))
