@@ -8,16 +8,18 @@ learner's ratio ``pi_theta / pi_behaviour`` needs. Rewards are left at zero: the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.components import check_options
+from lit_gmc.data.engine_process import EngineProcess
 from lit_gmc.data.tasks import Prompt
 
 
@@ -81,21 +83,34 @@ class HFEngine(RolloutEngine):
 
     Args:
         batch_rows: Most rows (prompts x n) per ``generate`` call, to bound memory.
+        layout: ``colocated`` (in the learner's process) or ``dedicated``: in a process of its own
+            (:mod:`lit_gmc.data.engine_process`), so that a background schedule (``Live``, ``VirtualClock`` with
+            ``overlap``) generates while the learner learns, instead of sharing one interpreter with it. The
+            samples are the same in both layouts.
+        threads: ``dedicated`` only: torch threads of the engine process; ``null`` takes this process's number
+            when the engine starts (the same numerics as ``colocated``).
     """
 
-    def __init__(self, batch_rows: int = 512) -> None:
-        check_options("HFEngine", self.option_problems(batch_rows))
-        self.batch_rows = batch_rows
+    def __init__(self, batch_rows: int = 512, layout: Literal["colocated", "dedicated"] = "colocated",
+                 threads: int | None = None) -> None:  # fmt: skip
+        check_options("HFEngine", self.option_problems(batch_rows, layout, threads))
+        self.batch_rows, self.layout, self.threads = batch_rows, layout, threads
         self.model: nn.Module | None = None
         self.tokenizer = None
         self._version = 0
+        self._process: EngineProcess | None = None  # the dedicated layout's engine process
         # Generation and weight loads may come from different threads (live schedule, evaluation).
         self._lock = threading.Lock()
 
     @staticmethod
-    def option_problems(batch_rows: int) -> list[str]:
+    def option_problems(batch_rows: int, layout: str = "colocated", threads: int | None = None) -> list[str]:
         """Every problem with the options, named by their init args."""
-        return [f"batch_rows={batch_rows} must be >= 1"] if batch_rows < 1 else []
+        problems = [f"batch_rows={batch_rows} must be >= 1"] if batch_rows < 1 else []
+        if layout not in ("colocated", "dedicated"):
+            problems.append(f"layout={layout!r} is not one of colocated, dedicated")
+        if threads is not None and (threads < 1 or layout != "dedicated"):
+            problems.append(f"threads={threads} needs layout=dedicated and must be >= 1")
+        return problems
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer, batch_rows: int = 512) -> HFEngine:
@@ -108,7 +123,18 @@ class HFEngine(RolloutEngine):
         """Load ``actor`` (``"tiny"``, a hub name or a local path) as the behaviour model, at version 0."""
         from lit_gmc.actor import load_actor, resolve_actor_path
 
-        self._attach(*load_actor(resolve_actor_path(actor)))
+        if self.layout == "colocated":
+            self._attach(*load_actor(resolve_actor_path(actor)))
+            return
+        from transformers import AutoTokenizer
+
+        path = resolve_actor_path(actor)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.pad_token_id is None:  # as load_actor does
+            tokenizer.pad_token = tokenizer.eos_token
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        self._process = EngineProcess(path, self.batch_rows, threads)
+        self.tokenizer, self._version = tokenizer, 0
 
     def _attach(self, model: nn.Module, tokenizer) -> None:
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
@@ -122,6 +148,11 @@ class HFEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy the named tensors into the behaviour copy in place and set ``version``."""
+        if self._process is not None:
+            with self._process.lock:  # never while the engine process generates
+                self._process.load_weights(named_tensors)
+                self._version = version
+            return
         with self._lock, torch.no_grad():
             params = dict(self.model.named_parameters())
             for name, tensor in named_tensors:
@@ -134,6 +165,10 @@ class HFEngine(RolloutEngine):
         """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, in chunks of ``batch_rows``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if self._process is not None:
+            with self._process.lock:
+                groups, version = self._process.generate(prompts, n, sampling), self._version
+            return [dataclasses.replace(group, version=version) for group in groups]
         per_call = max(1, self.batch_rows // n)
         groups: list[RolloutGroup] = []
         for start in range(0, len(prompts), per_call):
@@ -206,5 +241,8 @@ class HFEngine(RolloutEngine):
         return groups
 
     def close(self) -> None:
-        """Drop the behaviour copy of the model."""
+        """Drop the behaviour copy of the model (stop the engine process in the dedicated layout)."""
         self.model = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None
