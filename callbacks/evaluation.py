@@ -185,7 +185,9 @@ class Evaluation(pl.Callback):
         if max_problems is not None and max_problems < 1:
             problems.append(f"max_problems={max_problems} must be >= 1 (or null)")
         if problems:
-            raise ValueError("invalid Evaluation options:\n  " + "\n  ".join(problems))
+            from lit_gmc.errors import UserError  # here and in setup: importing this module pulls in nothing of ours
+
+            raise UserError("invalid Evaluation options:\n  " + "\n  ".join(problems))
         self.benchmarks = list(benchmarks)
         self.every_n_steps = every_n_steps
         self.at_steps = sorted(set(at_steps))
@@ -217,12 +219,13 @@ class Evaluation(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lit_gmc.data.benchmarks import BENCHMARKS, load_benchmark
+        from lit_gmc.data.benchmarks import BENCHMARKS, BenchmarkUnreachable, load_benchmark
         from lit_gmc.data.math_data import MathScorer, make_prompts
+        from lit_gmc.errors import UserError
 
         unknown = [name for name in self.benchmarks if name not in BENCHMARKS]
         if unknown:
-            raise ValueError(f"Evaluation: unknown benchmarks {unknown}; known: {', '.join(BENCHMARKS)}")
+            raise UserError(f"Evaluation: unknown benchmarks {unknown} in benchmarks; known: {', '.join(BENCHMARKS)}")
         self.active = trainer.global_rank == 0 or self._given["engine"] is not None
         if not self.active:
             return  # the rollout engine lives on rank 0, which evaluates every problem
@@ -245,7 +248,14 @@ class Evaluation(pl.Callback):
         )
         self.suites = []
         for name in self.benchmarks:
-            bench = load_benchmark(name, source=self.sources.get(name), data_dir=self.data_dir)
+            try:
+                bench = load_benchmark(name, source=self.sources.get(name), data_dir=self.data_dir)
+            except BenchmarkUnreachable as err:
+                raise UserError(
+                    f"Evaluation: {err}; set the callback's data_dir (a folder of local copies) or sources"
+                ) from err
+            except UserError as err:  # names the file and line; say whose option gave it
+                raise UserError(f"Evaluation: {err}") from err
             items = bench.items[: self.max_problems]
             prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
                                    self.max_prompt_tokens)  # fmt: skip

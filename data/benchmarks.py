@@ -28,6 +28,11 @@ from typing import Any
 
 from lit_gmc.data.answers import gsm8k_final_answer, last_boxed, reference_text
 from lit_gmc.data.math_data import DataSource, load_records, resolve_source, row_location
+from lit_gmc.errors import UserError, UserFileNotFoundError
+
+
+class BenchmarkUnreachable(UserError, ConnectionError):
+    """A benchmark's hub dataset cannot be reached (offline): callers add how to name local copies instead."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,11 @@ def reference_field(source: DataSource) -> str:
     """Which of :data:`REFERENCE_FIELDS` the source maps.
 
     Raises:
-        ValueError: If it maps none or several.
+        UserError: If it maps none or several.
     """
     found = [name for name in REFERENCE_FIELDS if name in source.columns]
     if len(found) != 1:
-        raise ValueError(
+        raise UserError(
             f"{source.path}: columns must map exactly one of {', '.join(REFERENCE_FIELDS)} to a column "
             f"(got {dict(source.columns)})"
         )
@@ -89,7 +94,7 @@ def load_items(source: DataSource) -> list[BenchmarkItem]:
     """Problems and references of one benchmark source (see the module docstring for the reference fields).
 
     Raises:
-        ValueError: For a malformed row, naming its file and line (or its row on the hub) and the column.
+        UserError: For a malformed row, naming its file and line (or its row on the hub) and the column.
     """
     name = reference_field(source)
     kinds, read = REFERENCE_FIELDS[name]
@@ -98,7 +103,7 @@ def load_items(source: DataSource) -> list[BenchmarkItem]:
         try:
             items.append(BenchmarkItem(row["problem"], read(row[name])))
         except ValueError as err:
-            raise ValueError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
+            raise UserError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
     return items
 
 
@@ -204,13 +209,23 @@ def load_benchmark(
         config: Overrides the source's config.
 
     Raises:
-        ValueError: For an unknown name (the message lists the known ones) or a malformed row.
-        FileNotFoundError: For a local file or folder that does not exist.
+        UserError: For an unknown name (the message lists the known ones) or a malformed file or row.
+        UserFileNotFoundError: For a local file or folder that does not exist or holds no data files.
+        BenchmarkUnreachable: For a hub dataset that cannot be reached (no network).
     """
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        raise UserError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     spec = BENCHMARKS[name]
     if source is None and data_dir is not None:
         source = str(Path(data_dir) / spec.filename)
     chosen = resolve_source(source, spec.hub, spec.file_columns, split=split, config=config)
-    return Benchmark(name, spec.title, spec.samples, load_items(chosen))
+    try:
+        items = load_items(chosen)
+    except ConnectionError as err:  # its message says the hub was out of reach (before UserError: it may be one)
+        reason = err.__cause__ if isinstance(err, UserError) and err.__cause__ else err  # without the training hint
+        raise BenchmarkUnreachable(f"benchmark {name!r}: {reason} (its local copy is {spec.filename})") from err
+    except UserError:
+        raise  # already names the file and line
+    except FileNotFoundError as err:  # datasets': a folder without data files, a hub name that does not exist
+        raise UserFileNotFoundError(f"benchmark {name!r}: {chosen.path}: {err}") from err
+    return Benchmark(name, spec.title, spec.samples, items)

@@ -121,19 +121,14 @@ class HFEngine(RolloutEngine):
 
     def start(self, actor: str) -> None:
         """Load ``actor`` (``"tiny"``, a hub name or a local path) as the behaviour model, at version 0."""
-        from lit_gmc.actor import load_actor, resolve_actor_path
+        from lit_gmc.actor import load_actor, load_tokenizer, resolve_actor_path
 
         if self.layout == "colocated":
-            self._attach(*load_actor(resolve_actor_path(actor)))
+            self._attach(*load_actor(actor))
             return
-        from transformers import AutoTokenizer
-
-        path = resolve_actor_path(actor)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.pad_token_id is None:  # as load_actor does
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = load_tokenizer(actor)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
-        self._process = EngineProcess(path, self.batch_rows, threads)
+        self._process = EngineProcess(resolve_actor_path(actor), self.batch_rows, threads)
         self.tokenizer, self._version = tokenizer, 0
 
     def _attach(self, model: nn.Module, tokenizer) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit_gmc.data.answers import last_boxed
-from lit_gmc.errors import UserError, UserFileNotFoundError
+from lit_gmc.errors import UserConnectionError, UserError, UserFileNotFoundError
 
 if TYPE_CHECKING:  # Prompt is imported where it is used, so that loading data needs nothing from tasks.py
     from lit_gmc.data.tasks import Prompt
@@ -229,7 +229,7 @@ def _read_table(source: DataSource) -> Any:
         return datasets.load_dataset(source.path, source.config, split=source.split)
     except ConnectionError as err:  # offline, or the hub is unreachable: say what works instead
         hint = "without network access, pass a local JSON/JSONL file or a dataset folder"
-        raise ConnectionError(f"{err}; {hint}") from err
+        raise UserConnectionError(f"{source.path}: {err}; {hint}") from err
     except datasets.exceptions.DatasetGenerationError as err:
         bad = _first_bad_json_line(path) if is_file else None
         if bad is not None:
@@ -348,11 +348,9 @@ def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object as is, or one loaded from an actor name (``"tiny"``, a hub name or a path)."""
     if not isinstance(tokenizer, str):
         return tokenizer
-    from transformers import AutoTokenizer  # lazy: only needed to truncate prompts
+    from lit_gmc.actor import load_tokenizer as load_actor_tokenizer  # lazy: only needed to truncate prompts
 
-    from lit_gmc.actor import resolve_actor_path
-
-    return AutoTokenizer.from_pretrained(resolve_actor_path(tokenizer))
+    return load_actor_tokenizer(tokenizer, "--data.task.tokenizer")
 
 
 def make_prompts(

@@ -34,9 +34,26 @@ def main() -> None:
     """``run`` on the command line, with user errors as one line on stderr and exit status 2."""
     try:
         run(sys.argv[1:])
-    except UserError as err:
-        print(f"lit_gmc: error: {err}", file=sys.stderr)
+    except Exception as err:
+        user_error = user_error_in(err)
+        if user_error is None:
+            raise
+        print(f"lit_gmc: error: {user_error}", file=sys.stderr)
         sys.exit(2)
+
+
+def user_error_in(err: BaseException) -> UserError | None:
+    """``err`` if it is a :class:`UserError`, else the first one it was raised from, else None (a bug).
+
+    jsonargparse wraps the error of a component's constructor (a callback's bad option) in its own.
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, UserError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from lit_gmc.errors import UserError, UserFileNotFoundError
+
 TINY_ALPHABET = "0123456789+-=*() abcdefghijklmnopqrstuvwxyz"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -179,16 +181,94 @@ def ensure_tiny_actor(recipe: TinyRecipe | None = None, cache_dir: str | Path | 
     return target
 
 
-def resolve_actor_path(actor: str) -> str:
-    """``"tiny"`` becomes the cached tiny actor's folder; anything else is a hub name or local path."""
-    return str(ensure_tiny_actor()) if actor == "tiny" else actor
+def resolve_actor_path(actor: str, option: str = "actor") -> str:
+    """``"tiny"`` becomes the cached tiny actor's folder; anything else is a hub name or local path.
+
+    ``option`` names where ``actor`` came from, for messages. The default names no flag: besides ``--model.actor``
+    (through :func:`load_actor`, first at start-up), a task's tokenizer option comes here.
+
+    Raises:
+        UserError: For a local path that is missing, a file, or a folder without ``config.json``, and for a tiny
+            actor cache that cannot be written.
+    """
+    if actor == "tiny":
+        try:
+            return str(ensure_tiny_actor())
+        except OSError as err:  # e.g. $LIT_GMC_CACHE on a read-only or full disk
+            raise UserError(
+                f"{option} tiny: cannot write the tiny actor under {default_cache_dir()} ({err}); "
+                "set $LIT_GMC_CACHE to a writable folder"
+            ) from err
+    check_local_actor(actor, option)
+    return str(Path(actor).expanduser()) if actor.startswith("~") else actor  # "--model.actor=~/m": no shell expansion
 
 
-def load_actor(actor: str, dtype: torch.dtype = torch.float32):
-    """Load ``(model, tokenizer)``; the tokenizer gets a pad token (EOS) if it has none."""
-    path = resolve_actor_path(actor)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+def is_hub_name(actor: str) -> bool:
+    """Whether ``actor`` could name a hub repository (``name`` or ``namespace/name``) rather than only a path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(actor)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_local_actor(actor: str, option: str) -> None:
+    """Refuse a local ``actor`` that transformers could not load, with a message saying what it is instead.
+
+    Without this, a missing folder is looked up on the hub (a message about repo ids or a network failure), a
+    checkpoint file gives an invalid-JSON message and an empty folder one about slow tokenizers.
+    """
+    path = Path(actor).expanduser()
+    hint = "pass 'tiny', a hub name or a folder written by save_pretrained"
+    if path.is_file():
+        raise UserError(
+            f"{option} {actor} is a file, not a model folder: {hint} "
+            "(python -m lit_gmc export turns a lit_gmc checkpoint into one)"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UserError(f"{option} {actor} is not a transformers model folder (it has no config.json): {hint}")
+    if not path.exists() and not is_hub_name(actor):
+        raise UserFileNotFoundError(f"{option} {actor}: no such model folder (resolved to {path.resolve()}); {hint}")
+
+
+def load_error(actor: str, option: str, err: Exception) -> UserError:
+    """The :class:`UserError` for transformers failing to load ``actor`` (offline, unknown repo, bad folder)."""
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if Path(actor).expanduser().exists():
+        return UserError(f"{option} {actor}: transformers cannot load it as a causal LM and tokenizer ({reason})")
+    return UserError(
+        f"{option} {actor} is no local folder, and loading it from the Hugging Face hub failed ({reason}); "
+        "without network access, pass a local copy of the model (a folder written by save_pretrained)"
+    )
+
+
+def load_actor(actor: str, dtype: torch.dtype = torch.float32, option: str = "--model.actor"):
+    """Load ``(model, tokenizer)``; the tokenizer gets a pad token (EOS) if it has none.
+
+    ``option`` names where ``actor`` came from, for messages.
+
+    Raises:
+        UserError: For an actor that cannot be found or loaded (:func:`resolve_actor_path`; an unknown or
+            unreachable hub name; a folder that is not a causal LM), naming ``option``.
+    """
+    tokenizer = load_tokenizer(actor, option)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolve_actor_path(actor, option), dtype=dtype)
+    except (OSError, ValueError) as err:  # transformers' errors for a name or folder it cannot load
+        raise load_error(actor, option, err) from err
+    return model, tokenizer
+
+
+def load_tokenizer(actor: str, option: str = "--model.actor"):
+    """The tokenizer of ``actor``, with a pad token (EOS) if it has none; a :class:`UserError` naming ``option``."""
+    path = resolve_actor_path(actor, option)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise load_error(actor, option, err) from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model, tokenizer
+    return tokenizer

@@ -18,3 +18,7 @@ class UserError(ValueError):
 
 class UserFileNotFoundError(UserError, FileNotFoundError):
     """A file or folder the user named does not exist (still a ``FileNotFoundError`` for callers catching that)."""
+
+
+class UserConnectionError(UserError, ConnectionError):
+    """A hub source the user named cannot be reached (offline); still a ``ConnectionError`` for callers."""

@@ -2,8 +2,12 @@
 
 The folder holds the actor's weights (the learner's ``actor.*`` tensors, i.e. the policy after the checkpoint's
 last update), its config and its tokenizer, so ``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load
-it directly. The actor named in the checkpoint's hyper-parameters supplies the architecture and tokenizer; the
-folder is written to a temporary sibling and moved into place, so an interrupted export leaves nothing half-done.
+it directly. The checkpoint is a file, or the folder of shards that FSDP2 writes with
+``save_distributed_checkpoint: true`` (its ``meta.pt`` beside ``torch.distributed.checkpoint`` shards, read on
+one process without gathering the optimizer states). The actor named in the checkpoint's hyper-parameters, or
+``--actor`` (a local copy of it), supplies the architecture and tokenizer; the folder is written to a temporary
+sibling and moved into place, so an interrupted export leaves nothing half-done. Every problem with the options,
+the checkpoint or the actor is a :class:`~lit_gmc.errors.UserError` (one line, status 2).
 """
 
 from __future__ import annotations
@@ -12,58 +16,155 @@ import argparse
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from lit_gmc.errors import UserError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX = "actor."
+SHARD_PREFIX = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0": ...}; DCP flattens the keys
 
 
-def actor_state(checkpoint: dict) -> dict[str, torch.Tensor]:
+class OutExistsError(UserError, FileExistsError):
+    """``--out`` exists: exports never overwrite."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), for one-line errors."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def actor_state(checkpoint: dict, ckpt_path: str | Path = "the checkpoint") -> dict[str, torch.Tensor]:
     """The actor's tensors of a lit_gmc checkpoint, under the model's own parameter names."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict) or not any(key.startswith(PREFIX) for key in state):
-        raise ValueError("not a lit_gmc training checkpoint: it has no 'actor.*' tensors in its state_dict")
+        raise UserError(
+            f"--ckpt_path {ckpt_path}: not a lit_gmc training checkpoint: it has no 'actor.*' tensors in its state_dict"
+        )
     return {key.removeprefix(PREFIX): value for key, value in state.items() if key.startswith(PREFIX)}
 
 
-def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Write the actor of ``ckpt_path`` to ``out_dir`` (which must not exist) in ``save_pretrained`` layout."""
-    from lit_gmc.actor import load_actor
+def check_fit(shapes: dict[str, tuple[int, ...]], model: torch.nn.Module, ckpt_path: Path, actor: str) -> None:
+    """Raise a :class:`UserError` unless ``shapes`` (the checkpoint's actor tensors) are exactly ``model``'s.
 
+    What ``load_state_dict(strict=True)`` checks, said in one line: an actor of another architecture or size
+    than the one trained (a changed local folder, or the wrong ``--actor``).
+    """
+    wanted = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    problems = [f"{name} is {list(shapes[name])}, the actor's {list(shape)}" for name, shape in wanted.items()
+                if name in shapes and shapes[name] != shape]  # fmt: skip
+    problems += [f"missing {name}" for name in wanted if name not in shapes]
+    problems += [f"unexpected {name}" for name in shapes if name not in wanted]
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise UserError(
+            f"--ckpt_path {ckpt_path}: its weights do not fit the actor {actor} ({'; '.join(problems[:3])}{more})"
+        )
+
+
+def load_sharded_actor(folder: Path, model: torch.nn.Module, actor: str) -> None:
+    """Read the actor's tensors of a sharded checkpoint folder into ``model`` (in place, on this one process).
+
+    Only the ``state_dict.actor.*`` entries are read, resharded from however many ranks wrote them; the names
+    and shapes are checked against ``model`` first (:func:`check_fit`).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as err:  # a missing or unreadable .metadata: an interrupted save, or not DCP at all
+        raise UserError(f"--ckpt_path {folder}: its shards cannot be read ({first_line(err)})") from err
+    prefix = SHARD_PREFIX + PREFIX
+    check_fit({key.removeprefix(prefix): tuple(getattr(meta, "size", ())) for key, meta in stored.items()
+               if key.startswith(prefix)}, model, folder, actor)  # fmt: skip
+    try:
+        with warnings.catch_warnings():  # that it reads on one process, which is what we ask for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({SHARD_PREFIX.rstrip("."): {PREFIX + name: value for name, value in model.state_dict().items()}},
+                     checkpoint_id=str(folder), no_dist=True)  # fmt: skip
+    except (Exception, CheckpointException) as err:  # a missing or truncated shard file
+        failures = [exc for exc, _ in getattr(err, "failures", {}).values()] or [err]  # DCP wraps each rank's
+        raise UserError(f"--ckpt_path {folder}: its shards cannot be read ({first_line(failures[0])})") from err
+
+
+def load_checkpoint_actor(
+    ckpt_path: str | Path, actor: str | None = None, option: str = "--actor"
+) -> tuple[torch.nn.Module, Any, str]:
+    """``(model, tokenizer, actor)``: the actor of a lit_gmc checkpoint (a file or a sharded folder), its weights set.
+
+    Args:
+        ckpt_path: The checkpoint (``last.ckpt``, or the folder FSDP2 writes with ``save_distributed_checkpoint``).
+        actor: The architecture and tokenizer to load the weights into; ``None`` takes the checkpoint's own.
+        option: The flag that sets ``actor``, for messages.
+
+    Raises:
+        UserError: For a path that is no lit_gmc checkpoint, an actor that cannot be loaded, or weights that
+            do not fit it.
+    """
+    from lit_gmc.actor import load_actor
+    from lit_gmc.resume import SHARDED_METADATA, read_checkpoint
+
+    path = Path(ckpt_path)
+    if path.name == SHARDED_METADATA and (path.parent / ".metadata").is_file():
+        raise UserError(f"--ckpt_path {path} is the metadata of a sharded checkpoint: pass its folder, {path.parent}")
+    checkpoint = read_checkpoint(path)  # a UserError naming --ckpt_path for anything but a lit_gmc checkpoint
+    state = None if path.is_dir() else actor_state(checkpoint, path)
+    named = checkpoint.get("hyper_parameters", {}).get("actor")
+    if actor is None and not isinstance(named, str):
+        raise UserError(f"--ckpt_path {path}: no 'actor' in the checkpoint's hyper_parameters; name it with {option}")
+    label = option if actor is not None else f"{option} (from --ckpt_path {path})"
+    actor = actor if actor is not None else named
+    model, tokenizer = load_actor(actor, option=label)
+    if state is None:
+        load_sharded_actor(path, model, actor)
+    else:
+        check_fit({name: tuple(value.shape) for name, value in state.items()}, model, path, actor)
+        model.load_state_dict(state, strict=True)
+    return model, tokenizer, actor
+
+
+def export_checkpoint(
+    ckpt_path: str | Path, out_dir: str | Path, dtype: str = "float32", actor: str | None = None
+) -> Path:
+    """Write the actor of ``ckpt_path`` to ``out_dir`` (which must not exist) in ``save_pretrained`` layout."""
     out_dir = Path(out_dir)
     if out_dir.exists():
-        raise FileExistsError(f"{out_dir} exists; choose a new folder (exports never overwrite)")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    state = actor_state(checkpoint)
-    actor = checkpoint.get("hyper_parameters", {}).get("actor")
-    if not isinstance(actor, str):
-        raise ValueError(f"{ckpt_path}: no 'actor' in the checkpoint's hyper_parameters")
-    model, tokenizer = load_actor(actor)
-    model.load_state_dict(state, strict=True)
+        raise OutExistsError(f"--out {out_dir} exists; choose a new folder (exports never overwrite)")
+    model, tokenizer, _ = load_checkpoint_actor(ckpt_path, actor)
     model.to(DTYPES[dtype])
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as err:  # a read-only or full disk, a file in the way
+        raise UserError(f"--out {out_dir}: cannot write there ({err})") from err
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, out_dir)
+    except OSError as err:
+        raise UserError(f"--out {out_dir}: cannot write there ({err})") from err
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line of ``python -m lit_gmc export``."""
+    """Command line of ``python -m lit_gmc export``; a :class:`UserError` reaches ``lit_gmc.__main__``."""
     parser = argparse.ArgumentParser(prog="python -m lit_gmc export", description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by lit_gmc fit (e.g. last.ckpt)")
+    parser.add_argument("--ckpt_path", required=True,
+                        help="a checkpoint of lit_gmc fit (e.g. last.ckpt), a file or a sharded folder")  # fmt: skip
     parser.add_argument("--out", required=True, help="new folder for the transformers model and tokenizer")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="dtype of the saved weights (training keeps fp32 master weights)")  # fmt: skip
+    parser.add_argument("--actor", default=None,
+                        help="the model to load the weights into (default: the checkpoint's actor); a local copy "
+                        "of it where that is out of reach, e.g. a hub name on an offline machine")  # fmt: skip
     args = parser.parse_args(argv)
-    try:
-        out = export_checkpoint(args.ckpt_path, args.out, args.dtype)
-    except (OSError, ValueError) as err:
-        parser.exit(2, f"export: {err}\n")
+    out = export_checkpoint(args.ckpt_path, args.out, args.dtype, args.actor)
     print(f"exported {args.ckpt_path} -> {out}")

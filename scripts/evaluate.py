@@ -9,12 +9,16 @@ paper's Table 1 layout, "greedy / avg@n" in percent per benchmark. Examples::
 
 Benchmarks are read from their hub datasets by default; ``--data-dir ../shared/data`` reads the local copies
 instead, and ``--source NAME=PATH`` overrides one benchmark (a JSONL file, a dataset folder or a hub name).
+A checkpoint is a file or the sharded folder FSDP2 writes; with ``--ckpt``, ``--actor`` names a local copy of the
+checkpoint's actor (for a hub actor on an offline machine). A mistake in an option, a data file or the
+checkpoint prints one line and exits with status 2, as ``python -m lit_gmc`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,16 +28,19 @@ import torch
 from lit_gmc.actor import load_actor
 from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, Suite, evaluate_suites
 from lit_gmc.callbacks.metrics import PAPER_KS
-from lit_gmc.data.benchmarks import BENCHMARKS, load_benchmark
+from lit_gmc.data.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
 from lit_gmc.data.engines import HFEngine
 from lit_gmc.data.math_data import MathScorer, make_prompts
+from lit_gmc.errors import UserError
+from lit_gmc.export import load_checkpoint_actor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="Lightning checkpoint of a GMCModule (the actor is read from its state_dict)")
-    source.add_argument("--actor", help='"tiny", a hub name or a local path of a causal LM, evaluated as is')
+    parser.add_argument("--ckpt", "--ckpt_path", dest="ckpt",
+                        help="checkpoint of lit_gmc fit, a file or a sharded folder (its actor.* weights)")  # fmt: skip
+    parser.add_argument("--actor", help='"tiny", a hub name or a local path of a causal LM, evaluated as is; '
+                        "with --ckpt, the model its weights go into (default: the checkpoint's actor)")  # fmt: skip
     parser.add_argument("--benchmarks", nargs="+", default=list(PAPER_BENCHMARKS), choices=list(BENCHMARKS))
     parser.add_argument("--data-dir", default=None, help="folder of local benchmark copies (default: the hub)")
     parser.add_argument(
@@ -59,9 +66,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verifier-workers", type=int, default=2)
     parser.add_argument("--output", default="eval_results.json", help="where to write the JSON results")
     args = parser.parse_args(argv)
-    positive = ("samples", "limit", "max_new_tokens", "batch_rows")
+    positive = ("samples", "limit", "max_new_tokens", "batch_rows", "verifier_workers")
     problems = [f"--{name.replace('_', '-')} must be >= 1" for name in positive
                 if getattr(args, name) is not None and getattr(args, name) < 1]  # fmt: skip
+    if any(k < 1 for k in args.ks):
+        problems.append(f"--ks {' '.join(map(str, args.ks))}: every k must be >= 1")
+    if args.max_prompt_tokens < 0:
+        problems.append("--max-prompt-tokens must be >= 0 (0 keeps prompts whole)")
+    if args.ckpt is None and args.actor is None:
+        problems.insert(0, "one of --ckpt or --actor is required")
+    problems += device_problems(args.device)
     try:
         args.sources = parse_sources(args.source)
     except ValueError as err:
@@ -69,6 +83,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+def device_problems(device: str) -> list[str]:
+    """Why ``--device`` cannot be used here (caught before the model loads), or nothing."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        return [f"--device {device}: {err}"]
+    if kind == "cuda" and not torch.cuda.is_available():
+        return [f"--device {device}: no CUDA device is available here"]
+    return []
 
 
 def parse_sources(pairs: list[str]) -> dict[str, str]:
@@ -85,21 +110,17 @@ def parse_sources(pairs: list[str]) -> dict[str, str]:
 def load_policy(ckpt: str | None, actor: str | None) -> tuple[torch.nn.Module, Any, str]:
     """``(model, tokenizer, actor name)`` from a checkpoint's ``actor.*`` weights, or an actor as is."""
     if ckpt is None:
-        model, tokenizer = load_actor(actor)
+        model, tokenizer = load_actor(actor, option="--actor")
         return model, tokenizer, actor
-    # Lightning checkpoints pickle their hyper-parameters, so weights_only loading cannot read them:
-    # only evaluate checkpoints you trust.
-    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
-    name = checkpoint.get("hyper_parameters", {}).get("actor")
-    if name is None:
-        raise ValueError(f"{ckpt}: no hyper_parameters['actor']; is this a GMCModule checkpoint?")
-    model, tokenizer = load_actor(name)
-    prefix = "actor."
-    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    if not state:
-        raise ValueError(f"{ckpt}: no 'actor.*' weights in state_dict")
-    model.load_state_dict(state)
-    return model, tokenizer, name
+    return load_checkpoint_actor(ckpt, actor, option="--actor")
+
+
+def load_benchmarks(args: argparse.Namespace) -> list[Benchmark]:
+    """The chosen benchmarks, read before the model so that a data mistake costs no model load."""
+    try:
+        return [load_benchmark(name, source=args.sources.get(name), data_dir=args.data_dir) for name in args.benchmarks]
+    except BenchmarkUnreachable as err:
+        raise UserError(f"{err}; set --data-dir (a folder of local copies) or --source NAME=PATH") from err
 
 
 def table(results: dict[str, Any]) -> str:
@@ -115,7 +136,21 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+    """Evaluate; a :class:`UserError` prints one line and exits with status 2."""
+    try:
+        return evaluate(parse_args(argv))
+    except UserError as err:
+        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the evaluation that ``args`` describe, write its JSON and print the table."""
+    try:  # before the evaluation, which may take hours, rather than at its end
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output {args.output}: cannot write there ({err})") from err
+    benchmarks = load_benchmarks(args)
     model, tokenizer, actor = load_policy(args.ckpt, args.actor)
     # from_model samples with a copy: make it on the CPU and move only the copy, so the device holds one model.
     engine = HFEngine.from_model(model, tokenizer, batch_rows=args.batch_rows)
@@ -123,12 +158,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine.model.to(args.device)
     max_prompt = args.max_prompt_tokens or None
     suites = []
-    for name in args.benchmarks:
-        bench = load_benchmark(name, source=args.sources.get(name), data_dir=args.data_dir)
+    for bench in benchmarks:
         items = bench.items[: args.limit]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
         n = args.samples or bench.samples
-        suites.append(Suite(name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n)))
+        suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n)))
     scorer = MathScorer(num_workers=args.verifier_workers, cut_at_next_problem=args.cut_at_next_problem)
     start = time.perf_counter()
     try:

@@ -1,16 +1,28 @@
-"""``python -m lit_gmc export``: a checkpoint, also one written after a resume, becomes a loadable HF folder."""
+"""``python -m lit_gmc export``: a checkpoint, also one written after a resume or as FSDP2's folder of shards,
+becomes a loadable HF folder; anything else is one line naming ``--ckpt_path``, ``--actor`` or ``--out``."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import component, fit, write_config
+from run_helpers import component, fit, run_subprocess, write_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import lit_gmc.actor
+from lit_gmc.actor import load_actor
+from lit_gmc.errors import UserError
 from lit_gmc.export import export_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+SHARDED = (  # FSDP2 on one process, writing Lightning's distributed checkpoint (a folder of DCP shards + meta.pt)
+    "--trainer.strategy", "lit_gmc.strategies.FSDP2Strategy", "--trainer.strategy.save_distributed_checkpoint", "true"
+)  # fmt: skip
 
 try:
     import vllm  # noqa: F401
@@ -61,8 +73,97 @@ def test_export_refuses_what_it_cannot_do(resumed_checkpoint, tmp_path):
     torch.save({"state_dict": {"layer.weight": torch.zeros(1)}}, other)
     done = subprocess.run([sys.executable, "-m", "lit_gmc", "export", "--ckpt_path", str(other), "--out",
                            str(tmp_path / "x")], capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 2 and "not a lit_gmc training checkpoint" in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(f"lit_gmc: error: --ckpt_path {other} is not a lit_gmc checkpoint")
     assert not (tmp_path / "x").exists()
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")  # torch.load used to end in an UnpicklingError traceback
+    with pytest.raises(UserError, match=rf"^--ckpt_path {text} is not a lit_gmc checkpoint \(torch.load cannot"):
+        export_checkpoint(text, tmp_path / "y")
+    with pytest.raises(UserError, match=rf"^--ckpt_path {tmp_path / 'absent.ckpt'}: no such file"):
+        export_checkpoint(tmp_path / "absent.ckpt", tmp_path / "y")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(UserError, match=rf"^--out {blocked / 'hf'}: cannot write there"):
+        export_checkpoint(resumed_checkpoint, blocked / "hf")
+
+
+def fake_checkpoint(path: Path, actor: str, state: dict[str, torch.Tensor]) -> Path:
+    """A file with what makes a lit_gmc checkpoint (resume.CHECKPOINT_KEYS): ``actor`` with ``state`` as weights."""
+    torch.save({"pytorch-lightning_version": "2.6.0", "hyper_parameters": {"actor": actor}, "RolloutDataModule": {},
+                "state_dict": {f"actor.{name}": value for name, value in state.items()}}, path)  # fmt: skip
+    return path
+
+
+def test_an_unreachable_actor_names_export_s_actor_option(tmp_path, tiny_actor_dir, monkeypatch):
+    model, _ = load_actor(str(tiny_actor_dir))
+    weights = {name: value + 1 for name, value in model.state_dict().items()}
+    ckpt = fake_checkpoint(tmp_path / "hub.ckpt", "lit-gmc-tests/hub-model", weights)
+
+    def unreachable(*args, **kwargs):  # what transformers raises offline
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(lit_gmc.actor.AutoTokenizer, "from_pretrained", unreachable)
+        with pytest.raises(UserError) as refused:
+            export_checkpoint(ckpt, tmp_path / "hf")
+    message = str(refused.value)
+    assert message.startswith(f"--actor (from --ckpt_path {ckpt}) lit-gmc-tests/hub-model is no local folder")
+    assert "couldn't connect" in message and "\n" not in message and "without network access" in message
+    out = export_checkpoint(ckpt, tmp_path / "hf", actor=str(tiny_actor_dir))  # the local copy the message asks for
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(exported[name], value) for name, value in weights.items())
+    small = fake_checkpoint(tmp_path / "small.ckpt", str(tiny_actor_dir), {"model.norm.weight": torch.ones(3)})
+    with pytest.raises(UserError, match=r"its weights do not fit the actor .*model.norm.weight is \[3\], the actor's"):
+        export_checkpoint(small, tmp_path / "hf2")
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory) -> Path:
+    """``last.ckpt`` of a 2-update FSDP2 run on one process, saved as a folder of shards (updates that move weights)."""
+    root = tmp_path_factory.mktemp("sharded")
+    config = write_config(root, "run", total=2, every=2, max_new_tokens=6, group_size=8, batch_prompts=4)
+    done = run_subprocess(config, *SHARDED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = root / "run" / "checkpoints" / "last.ckpt"
+    assert path.is_dir() and (path / "meta.pt").is_file()
+    return path
+
+
+def test_export_reads_a_sharded_checkpoint_folder(sharded_checkpoint, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = export_checkpoint(sharded_checkpoint, tmp_path / "hf")  # used to fail with "Is a directory"
+    dcp_to_torch_save(sharded_checkpoint, tmp_path / "full.pt")  # the reference: torch's own conversion
+    full = torch.load(tmp_path / "full.pt", weights_only=True)["state_dict"]
+    actor = {name.removeprefix("actor."): value for name, value in full.items() if name.startswith("actor.")}
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert set(actor) <= set(exported) and all(torch.equal(exported[k], v) for k, v in actor.items())
+    initial = load_actor("tiny")[0].state_dict()
+    assert any(not torch.equal(initial[k], v) for k, v in actor.items())  # the trained weights, not the initial ones
+    # scripts/evaluate.py reads the same folder through the same function
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model, _, name = script.load_policy(str(sharded_checkpoint), None)
+    assert name == "tiny" and all(torch.equal(model.state_dict()[k], v) for k, v in actor.items())
+
+
+def test_a_sharded_checkpoint_that_cannot_be_read_is_named(sharded_checkpoint, tmp_path, tiny_actor_dir):
+    meta = sharded_checkpoint / "meta.pt"
+    with pytest.raises(UserError, match=rf"^--ckpt_path {meta} is the metadata of a sharded checkpoint: pass its"):
+        export_checkpoint(meta, tmp_path / "hf")
+    with pytest.raises(UserError, match=r"its weights do not fit the actor .*embed_tokens.weight is \[46, 128\]"):
+        export_checkpoint(sharded_checkpoint, tmp_path / "hf", actor=str(tiny_actor_dir))  # hidden 32, not 128
+    broken = shutil.copytree(sharded_checkpoint, tmp_path / "broken.ckpt")
+    for shard in broken.glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(UserError, match=rf"^--ckpt_path {broken}: its shards cannot be read \(.*No such file"):
+        export_checkpoint(broken, tmp_path / "hf")
+    (broken / ".metadata").unlink()
+    with pytest.raises(UserError, match=rf"^--ckpt_path {broken}: its shards cannot be read"):
+        export_checkpoint(broken, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.vllm
