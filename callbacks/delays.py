@@ -65,7 +65,8 @@ class DelayAccounting(pl.Callback):
             scalars["delay/predicted_mean"] = per_length * self.length_sum / self.length_count
         step = trainer.global_step - 1  # the update just taken
         # Straight to the loggers, at the update's index: on disk before this step's checkpoint is written (with a
-        # flushing logger), so a run killed right after a checkpoint still has this step's record.
+        # write-through logger, lit_gmc.loggers.DurableTensorBoardLogger), so a run killed right after a checkpoint
+        # still has this step's record.
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
         if step % self.histogram_every_n_steps == 0:

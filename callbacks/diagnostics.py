@@ -93,14 +93,26 @@ def pearson(x: Tensor, y: Tensor) -> float | None:
     Returns None when fewer than two pairs remain or either side is constant (the correlation is undefined,
     e.g. the delay under a fixed-delay schedule).
     """
-    x, y = x.detach().double().flatten(), y.detach().double().flatten()
-    keep = torch.isfinite(x) & torch.isfinite(y)  # (N,)
-    x, y = x[keep], y[keep]
-    if x.numel() < 2:
-        return None
-    dx, dy = x - x.mean(), y - y.mean()
-    denominator = math.sqrt(float((dx * dx).sum()) * float((dy * dy).sum()))
-    return float((dx * dy).sum()) / denominator if denominator > 0 else None
+    return correlations([x], y)[0]
+
+
+def correlations(xs: Sequence[Tensor], y: Tensor) -> list[float | None]:
+    """:func:`pearson` of each of ``xs`` with one ``y``, which is converted and checked once."""
+    y = y.detach().double().flatten()  # (N,)
+    y_finite = torch.isfinite(y)  # (N,)
+    out: list[float | None] = []
+    for x in xs:
+        x = x.detach().double().flatten()  # (N,)
+        keep = torch.isfinite(x) & y_finite  # (N,)
+        xk, yk = (x, y) if bool(keep.all()) else (x[keep], y[keep])  # an all-True mask would only copy them
+        if xk.numel() < 2:
+            out.append(None)
+            continue
+        dx, dy = xk - xk.mean(), yk - yk.mean()
+        sxx, syy, sxy = torch.stack([(dx * dx).sum(), (dy * dy).sum(), (dx * dy).sum()]).tolist()  # one conversion
+        denominator = math.sqrt(sxx * syy)
+        out.append(sxy / denominator if denominator > 0 else None)
+    return out
 
 
 def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
@@ -169,40 +181,49 @@ class CentredRollingMean:
 
 
 def step_scalars(stats: Mapping[str, Tensor], cap_eps: float = 0.28) -> dict[str, float]:
-    """Every per-update scalar the stats support (tags without the prefix); ``cap_eps``: the GMC/TIC threshold."""
+    """Every per-update scalar the stats support (tags without the prefix); ``cap_eps``: the GMC/TIC threshold.
+
+    It runs every update on tensors of a few dozen values, where each torch call costs more than its arithmetic:
+    both quantiles come from one sort, extremes from one ``aminmax``, the correlations share their ``y``. Each
+    value is the same float as computed one reduction at a time.
+    """
     rows, groups = check_stats(stats)
-    out: dict[str, float] = {}
+    out: dict[str, Tensor | float] = {}
     if "log_rho" in stats:
-        lr = stats["log_rho"].detach().double()
-        out.update({"log_rho/mean": lr.mean(), "log_rho/std": lr.std(unbiased=False), "log_rho/min": lr.min(),
-                    "log_rho/max": lr.max(), "log_rho/abs_mean": lr.abs().mean()})  # fmt: skip
+        lr = stats["log_rho"].detach().double()  # (N,)
+        low, high = torch.aminmax(lr)
+        out.update({"log_rho/mean": lr.mean(), "log_rho/std": lr.std(unbiased=False), "log_rho/min": low,
+                    "log_rho/max": high, "log_rho/abs_mean": lr.abs().mean()})  # fmt: skip
     if "log_rho_bar" in stats:
-        lb = stats["log_rho_bar"].detach().double()
-        out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": lb.quantile(0.5),
-                    "rho_bar/log_q90": lb.quantile(0.9), "rho_bar/log_max": lb.max()})  # fmt: skip
+        lb = stats["log_rho_bar"].detach().double()  # (B,)
+        median, q90 = lb.quantile(lb.new_tensor([0.5, 0.9]))
+        out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": median, "rho_bar/log_q90": q90,
+                    "rho_bar/log_max": lb.max()})  # fmt: skip
     cap = math.log1p(cap_eps)
     for key, tag in (("log_rho_bar", "gmc/rescaled_fraction"), ("log_rho", "tic/dropped_fraction")):
         if key in stats:
             out[tag] = (stats[key].detach() > cap).double().mean()
     if "removed_mass" in stats:
-        mass = stats["removed_mass"].detach().double()
+        mass = stats["removed_mass"].detach().double()  # (B,)
         out.update({"removed_mass/mean": mass.mean(), "removed_mass/max": mass.max()})
     if "ess" in stats:
-        ess = stats["ess"].detach().double()
-        out.update({"ess/mean": ess.mean(), "ess/min": ess.min()})
+        ess = stats["ess"].detach().double()  # (B,)
+        mean = ess.mean()
+        out.update({"ess/mean": mean, "ess/min": ess.min()})
         if rows is not None:
-            out["ess/mean_fraction_of_G"] = ess.mean() / (rows // groups)
+            out["ess/mean_fraction_of_G"] = mean / (rows // groups)
     if "response_lengths" in stats:
-        lengths = stats["response_lengths"].detach().double()
+        lengths = stats["response_lengths"].detach().double()  # (N,)
         out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.max()})
     if "rewards" in stats and groups is not None:
         out["reward/zero_variance_fraction"] = zero_variance_fraction(stats["rewards"], rows // groups)
     if "entropy" in stats and stats["entropy"].numel():
         out["entropy/mean"] = stats["entropy"].detach().double().mean()
     if "response_lengths" in stats:
-        for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length")):
-            if key in stats and (r := pearson(stats[key], stats["response_lengths"])) is not None:
-                out[tag] = r
+        pairs = [(key, tag) for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length"))
+                 if key in stats]  # fmt: skip
+        found = correlations([stats[key] for key, _ in pairs], stats["response_lengths"])
+        out.update({tag: r for (_, tag), r in zip(pairs, found, strict=True) if r is not None})
     if "schedule/draining" in stats:
         out["drain/active"] = stats["schedule/draining"]
     return {k: float(v) for k, v in out.items()}
