@@ -434,8 +434,6 @@ class GMCModule(pl.LightningModule):
         for logger in self.loggers:
             logger.log_metrics(values, step=step)
         # Shown by Lightning's (rich) progress bar; a bar callback in the config would break enable_progress_bar=false.
-        if self.trainer.progress_bar_callback is None:
-            return  # self.log costs ~0.5 ms a call (docs/performance.md), for a bar nobody shows
         self.log("reward", rewards.mean(), prog_bar=True, on_step=True, logger=False)
         self.log("delay", delays.mean(), prog_bar=True, on_step=True, logger=False)
         if "queue_depth" in batch.info:
