@@ -32,6 +32,16 @@ from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.tasks import Prompt
 
 
+def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """Copy each named tensor into ``parameters[name]`` in place, cast to its dtype and device."""
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in parameters:
+                raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
+            target = parameters[name]
+            target.copy_(tensor.detach().to(target.device, target.dtype))
+
+
 def as_arrays(group: RolloutGroup) -> RolloutGroup:
     """``group`` with numpy arrays for its tensors, which pickle inline.
 
@@ -111,12 +121,7 @@ class EngineProcess:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Write ``named_tensors`` into the engine's shared parameters (the caller holds :attr:`lock`)."""
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in self.parameters:
-                    raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
-                target = self.parameters[name]
-                target.copy_(tensor.detach().to(target.device, target.dtype))
+        copy_weights(self.parameters, named_tensors)
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling) -> list[RolloutGroup]:
         """The engine process's ``HFEngine.generate`` (the caller holds :attr:`lock`)."""

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.components import check_options
-from lit_gmc.data.engine_process import EngineProcess
+from lit_gmc.data.engine_process import EngineProcess, copy_weights
 from lit_gmc.data.tasks import Prompt
 
 
@@ -148,12 +148,8 @@ class HFEngine(RolloutEngine):
                 self._process.load_weights(named_tensors)
                 self._version = version
             return
-        with self._lock, torch.no_grad():
-            params = dict(self.model.named_parameters())
-            for name, tensor in named_tensors:
-                if name not in params:
-                    raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
-                params[name].copy_(tensor.detach().to(params[name].device, params[name].dtype))
+        with self._lock:
+            copy_weights(dict(self.model.named_parameters()), named_tensors)
             self._version = version
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
