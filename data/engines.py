@@ -71,7 +71,7 @@ def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
     """Mask of real response tokens (up to and including the first EOS) and finish reasons. ``(n, L)``."""
     is_eos = tokens == eos_id  # (n, L)
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # (n, L): strictly after the first EOS
-    reasons = ["stop" if row.any() else "length" for row in is_eos]
+    reasons = ["stop" if stopped else "length" for stopped in is_eos.any(-1).tolist()]
     return ~after_eos, reasons
 
 
@@ -98,6 +98,7 @@ class HFEngine(RolloutEngine):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self._version = 0
+        self._parameters: dict[str, Tensor] | None = None
         self._process: EngineProcess | None = None  # the dedicated layout's engine process
         # Generation and weight loads may come from different threads (live schedule, evaluation).
         self._lock = threading.Lock()
@@ -135,6 +136,7 @@ class HFEngine(RolloutEngine):
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
         self.model, self.tokenizer, self._version = model.eval().requires_grad_(False), tokenizer, 0
+        self._parameters: dict[str, Tensor] | None = None  # load_weights' targets, by name (built on first use)
 
     @property
     def version(self) -> int:
@@ -149,7 +151,9 @@ class HFEngine(RolloutEngine):
                 self._version = version
             return
         with self._lock:
-            copy_weights(dict(self.model.named_parameters()), named_tensors)
+            if self._parameters is None:
+                self._parameters = dict(self.model.named_parameters())
+            copy_weights(self._parameters, named_tensors)
             self._version = version
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
@@ -233,7 +237,7 @@ class HFEngine(RolloutEngine):
 
     def close(self) -> None:
         """Drop the behaviour copy of the model (stop the engine process in the dedicated layout)."""
-        self.model = None
+        self.model, self._parameters = None, None
         if self._process is not None:
             self._process.close()
             self._process = None

