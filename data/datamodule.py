@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -321,7 +322,7 @@ class RolloutDataModule(pl.LightningDataModule):
         for b, group in enumerate(groups):
             texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
             rewards = checked_rewards(self.score(texts, group.answer), hp.group_size, self.score, group.prompt_id)
-            scored.append(dataclasses.replace(group.with_rewards(rewards), batch_id=launch_id))
+            scored.append(dataclasses.replace(group, rewards=torch.tensor(rewards, dtype=torch.float32), batch_id=launch_id))
         return scored
 
     def next_share(self) -> RolloutBatch | None:

@@ -167,20 +167,23 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
     (size,) = sizes
     width_p = max(int(g.prompt_ids.numel()) for g in groups)
     width_l = max(int(g.response_ids.shape[1]) for g in groups)
-    n = len(groups) * size
-    prompts = torch.full((n, width_p), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, width_p), dtype=torch.bool)
-    responses = torch.full((n, width_l), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, width_l), dtype=torch.bool)
-    behavior = torch.zeros((n, width_l), dtype=torch.float32)
+    # One row per group, repeated G times: prompts are shared within a group.
+    lengths = torch.tensor([g.prompt_ids.numel() for g in groups])  # (B,)
+    group_prompts = torch.full((len(groups), width_p), pad_id, dtype=torch.long)  # (B, P)
     for b, group in enumerate(groups):
-        rows = slice(b * size, (b + 1) * size)
-        p, length = group.prompt_ids.numel(), group.response_ids.shape[1]
-        prompts[rows, width_p - p :] = group.prompt_ids
-        prompt_mask[rows, width_p - p :] = True
-        responses[rows, :length] = group.response_ids
-        response_mask[rows, :length] = group.response_mask
-        behavior[rows, :length] = group.behavior_logprobs.float()
+        group_prompts[b, width_p - group.prompt_ids.numel() :] = group.prompt_ids
+    prompts = group_prompts.repeat_interleave(size, 0)  # (N, P)
+    prompt_mask = (torch.arange(width_p) >= width_p - lengths[:, None]).repeat_interleave(size, 0)  # (N, P)
+
+    def right_padded(field: str, fill: float | bool | int, dtype: torch.dtype) -> Tensor:  # (N, L)
+        parts = [getattr(g, field).to(dtype) for g in groups]
+        if any(part.shape[1] != width_l for part in parts):  # groups from different generate calls
+            parts = [torch.nn.functional.pad(part, (0, width_l - part.shape[1]), value=fill) for part in parts]
+        return torch.cat(parts)
+
+    responses = right_padded("response_ids", pad_id, torch.long)
+    response_mask = right_padded("response_mask", False, torch.bool)
+    behavior = right_padded("behavior_logprobs", 0.0, torch.float32)
     return RolloutBatch(
         input_ids=torch.cat([prompts, responses], dim=1),  # (N, P + L)
         attention_mask=torch.cat([prompt_mask, response_mask], dim=1),  # (N, P + L)
