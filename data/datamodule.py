@@ -322,7 +322,8 @@ class RolloutDataModule(pl.LightningDataModule):
         for b, group in enumerate(groups):
             texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
             rewards = checked_rewards(self.score(texts, group.answer), hp.group_size, self.score, group.prompt_id)
-            scored.append(dataclasses.replace(group, rewards=torch.tensor(rewards, dtype=torch.float32), batch_id=launch_id))
+            rewards = torch.tensor(rewards, dtype=torch.float32)
+            scored.append(dataclasses.replace(group, rewards=rewards, batch_id=launch_id))
         return scored
 
     def next_share(self) -> RolloutBatch | None:

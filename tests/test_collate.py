@@ -14,9 +14,10 @@ PAD = 99
 
 def random_group(rng: random.Random, prompt_id: int, size: int, width: int) -> RolloutGroup:
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    ids_dtype = rng.choice([torch.int32, torch.int64])
     return RolloutGroup(
         prompt_id=prompt_id, prompt="p", answer="a",
-        prompt_ids=torch.randint(0, 50, (rng.randint(0, 6),), generator=gen, dtype=rng.choice([torch.int32, torch.long])),
+        prompt_ids=torch.randint(0, 50, (rng.randint(0, 6),), generator=gen, dtype=ids_dtype),
         response_ids=torch.randint(0, 50, (size, width), generator=gen),
         response_mask=torch.rand(size, width, generator=gen) < 0.7,
         behavior_logprobs=-torch.rand(size, width, generator=gen, dtype=rng.choice([torch.float32, torch.float64])),
@@ -39,8 +40,8 @@ def row_by_row(groups: list[RolloutGroup]) -> dict[str, torch.Tensor]:
             input_ids.append(prompt + g.response_ids[i].tolist() + [PAD] * (width_l - length))
             attention.append(prompt_real + mask)
             response_mask.append(mask)
-            behaviour.append([float(v) if m else 0.0 for v, m in zip(g.behavior_logprobs[i].float().tolist() +
-                                                                    [0.0] * (width_l - length), mask)])  # fmt: skip
+            values = g.behavior_logprobs[i].float().tolist() + [0.0] * (width_l - length)
+            behaviour.append([v if real else 0.0 for v, real in zip(values, mask, strict=True)])
     return {"input_ids": torch.tensor(input_ids), "attention_mask": torch.tensor(attention),
             "response_mask": torch.tensor(response_mask), "behavior_logprobs": torch.tensor(behaviour)}  # fmt: skip
 
