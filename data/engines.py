@@ -98,7 +98,7 @@ class HFEngine(RolloutEngine):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self._version = 0
-        self._parameters: dict[str, Tensor] | None = None
+        self._parameters: dict[str, Tensor] | None = None  # the colocated model's parameters, by name
         self._process: EngineProcess | None = None  # the dedicated layout's engine process
         # Generation and weight loads may come from different threads (live schedule, evaluation).
         self._lock = threading.Lock()
@@ -136,7 +136,7 @@ class HFEngine(RolloutEngine):
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
         self.model, self.tokenizer, self._version = model.eval().requires_grad_(False), tokenizer, 0
-        self._parameters: dict[str, Tensor] | None = None  # load_weights' targets, by name (built on first use)
+        self._parameters = None  # load_weights' targets by name, built on first use
 
     @property
     def version(self) -> int:
