@@ -82,7 +82,10 @@ def test_two_processes_reproduce_the_single_process_run(tmp_path, single, strate
     assert_reproduces(tmp_path / "two", single[rule])
 
 
-@pytest.mark.parametrize(("strategy", "rule"), [("ddp", "gac"), ("fsdp2_sharded", "gmc")])
+@pytest.mark.parametrize(
+    ("strategy", "rule"),
+    [("ddp", "gac"), ("fsdp2_sharded", "gmc"), pytest.param("fsdp2", "gac", marks=pytest.mark.extended)],
+)  # FSDP2 with one full checkpoint file: extended, for CI's time (the file is written as under DDP)
 def test_kill_9_of_two_processes_then_ckpt_path_last_gives_the_unbroken_records(tmp_path, single, strategy, rule):
     """Both processes killed (the node dies) once the checkpoint at step 8 is written; resumed from the shell."""
     config = write_config(tmp_path, "killed", total=TOTAL, every=EVERY, batch_prompts=4)
