@@ -28,10 +28,10 @@ from typing import Any
 
 from lit_gmc.data.answers import gsm8k_final_answer, last_boxed, reference_text
 from lit_gmc.data.math_data import DataSource, load_records, resolve_source, row_location
-from lit_gmc.errors import UserError, UserFileNotFoundError
+from lit_gmc.errors import UserConnectionError, UserError, UserFileNotFoundError
 
 
-class BenchmarkUnreachable(UserError, ConnectionError):
+class BenchmarkUnreachable(UserConnectionError):
     """A benchmark's hub dataset cannot be reached (offline): callers add how to name local copies instead."""
 
 

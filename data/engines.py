@@ -122,14 +122,15 @@ class HFEngine(RolloutEngine):
 
     def start(self, actor: str) -> None:
         """Load ``actor`` (``"tiny"``, a hub name or a local path) as the behaviour model, at version 0."""
-        from lit_gmc.actor import load_actor, load_tokenizer, resolve_actor_path
+        from lit_gmc.actor import load_actor, resolve_actor_path, tokenizer_at
 
         if self.layout == "colocated":
             self._attach(*load_actor(actor))
             return
-        tokenizer = load_tokenizer(actor)
+        path = resolve_actor_path(actor, "--model.actor")
+        tokenizer = tokenizer_at(path, actor)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
-        self._process = EngineProcess(resolve_actor_path(actor), self.batch_rows, threads)
+        self._process = EngineProcess(path, self.batch_rows, threads)
         self.tokenizer, self._version = tokenizer, 0
 
     def _attach(self, model: nn.Module, tokenizer) -> None:

@@ -26,7 +26,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from lit_gmc.errors import UserError, UserFileNotFoundError
+from lit_gmc.errors import UserError, UserFileNotFoundError, first_line
 
 TINY_ALPHABET = "0123456789+-=*() abcdefghijklmnopqrstuvwxyz"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -236,7 +236,7 @@ def check_local_actor(actor: str, option: str) -> None:
 
 def load_error(actor: str, option: str, err: Exception) -> UserError:
     """The :class:`UserError` for transformers failing to load ``actor`` (offline, unknown repo, bad folder)."""
-    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    reason = first_line(err)
     if Path(actor).expanduser().exists():
         return UserError(f"{option} {actor}: transformers cannot load it as a causal LM and tokenizer ({reason})")
     return UserError(
@@ -254,9 +254,10 @@ def load_actor(actor: str, dtype: torch.dtype = torch.float32, option: str = "--
         UserError: For an actor that cannot be found or loaded (:func:`resolve_actor_path`; an unknown or
             unreachable hub name; a folder that is not a causal LM), naming ``option``.
     """
-    tokenizer = load_tokenizer(actor, option)
+    path = resolve_actor_path(actor, option)
+    tokenizer = tokenizer_at(path, actor, option)
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolve_actor_path(actor, option), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as err:  # transformers' errors for a name or folder it cannot load
         raise load_error(actor, option, err) from err
     return model, tokenizer
@@ -264,7 +265,11 @@ def load_actor(actor: str, dtype: torch.dtype = torch.float32, option: str = "--
 
 def load_tokenizer(actor: str, option: str = "--model.actor"):
     """The tokenizer of ``actor``, with a pad token (EOS) if it has none; a :class:`UserError` naming ``option``."""
-    path = resolve_actor_path(actor, option)
+    return tokenizer_at(resolve_actor_path(actor, option), actor, option)
+
+
+def tokenizer_at(path: str, actor: str, option: str = "--model.actor"):
+    """:func:`load_tokenizer` for an ``actor`` already resolved to ``path`` (:func:`resolve_actor_path`)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:

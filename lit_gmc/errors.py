@@ -16,6 +16,12 @@ class UserError(ValueError):
     """
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), for one-line errors."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class UserFileNotFoundError(UserError, FileNotFoundError):
     """A file or folder the user named does not exist (still a ``FileNotFoundError`` for callers catching that)."""
 

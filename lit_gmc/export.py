@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lit_gmc.errors import UserError
+from lit_gmc.errors import UserError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX = "actor."
@@ -31,12 +31,6 @@ SHARD_PREFIX = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0
 
 class OutExistsError(UserError, FileExistsError):
     """``--out`` exists: exports never overwrite."""
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type when it has none), for one-line errors."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def actor_state(checkpoint: dict, ckpt_path: str | Path = "the checkpoint") -> dict[str, torch.Tensor]:
