@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import lightning.pytorch as pl
@@ -97,22 +98,62 @@ def pearson(x: Tensor, y: Tensor) -> float | None:
 
 
 def correlations(xs: Sequence[Tensor], y: Tensor) -> list[float | None]:
-    """:func:`pearson` of each of ``xs`` with one ``y``, which is converted and checked once."""
-    y = y.detach().double().flatten()  # (N,)
-    y_finite = torch.isfinite(y)  # (N,)
+    """:func:`pearson` of each of ``xs`` with one ``y``, which is converted once."""
+    y_values = y.detach().flatten().tolist()  # (N,) Python numbers, exactly the tensor's values
+    y_finite = all(map(math.isfinite, y_values))
     out: list[float | None] = []
     for x in xs:
-        x = x.detach().double().flatten()  # (N,)
-        keep = torch.isfinite(x) & y_finite  # (N,)
-        xk, yk = (x, y) if bool(keep.all()) else (x[keep], y[keep])  # an all-True mask would only copy them
-        if xk.numel() < 2:
+        xk, yk = x.detach().flatten().tolist(), y_values
+        if len(xk) != len(yk):
+            raise ValueError(f"correlations: {len(xk)} values against {len(yk)}")
+        if not (y_finite and all(map(math.isfinite, xk))):
+            kept = [(a, b) for a, b in zip(xk, yk, strict=True) if math.isfinite(a) and math.isfinite(b)]
+            xk, yk = [a for a, _ in kept], [b for _, b in kept]
+        if len(xk) < 2:
             out.append(None)
             continue
-        dx, dy = xk - xk.mean(), yk - yk.mean()
-        sxx, syy, sxy = torch.stack([(dx * dx).sum(), (dy * dy).sum(), (dx * dy).sum()]).tolist()  # one conversion
+        x_mean, y_mean = exact_mean(xk), exact_mean(yk)
+        dx, dy = [a - x_mean for a in xk], [b - y_mean for b in yk]
+        sxx, syy = math.fsum([a * a for a in dx]), math.fsum([b * b for b in dy])
+        sxy = math.fsum([a * b for a, b in zip(dx, dy, strict=True)])
         denominator = math.sqrt(sxx * syy)
         out.append(sxy / denominator if denominator > 0 else None)
     return out
+
+
+def exact_mean(values: Sequence[float]) -> float:
+    """Mean of a non-empty sequence of floats, its sum correctly rounded (``math.fsum``); IEEE results otherwise.
+
+    A sum that holds both infinities is NaN and one that overflows is infinite, as a float64 torch reduction gives.
+    """
+    try:
+        return math.fsum(values) / len(values)
+    except ValueError:  # inf + -inf
+        return math.nan
+    except OverflowError:  # finite values past the float64 range
+        return sum(values) / len(values)
+
+
+def extremes(values: Sequence[float]) -> tuple[float, float]:
+    """``(min, max)`` of a non-empty sequence, both NaN when one value is (Python's ``min`` would depend on order)."""
+    if any(map(math.isnan, values)):
+        return math.nan, math.nan
+    return float(min(values)), float(max(values))
+
+
+def linear_quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated linearly between neighbours; ``torch.quantile``'s value.
+
+    Between neighbours ``a <= b`` at weight ``w``: ``a + w (b - a)`` for ``w < 1/2``, else ``b + (w - 1)(b - a)``,
+    each as one fused multiply-add (torch's ``lerp``), here exactly rounded through ``Fraction``.
+    """
+    position = q * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    weight, a, b = position - low, ordered[low], ordered[high]
+    if not all(map(math.isfinite, (a, b))):
+        return a + weight * (b - a) if weight < 0.5 else b + (weight - 1) * (b - a)  # inf or NaN, as torch
+    start, coefficient = (a, weight) if weight < 0.5 else (b, weight - 1)
+    return float(Fraction(coefficient) * Fraction(b - a) + Fraction(start))
 
 
 def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
@@ -183,50 +224,53 @@ class CentredRollingMean:
 def step_scalars(stats: Mapping[str, Tensor], cap_eps: float = 0.28) -> dict[str, float]:
     """Every per-update scalar the stats support (tags without the prefix); ``cap_eps``: the GMC/TIC threshold.
 
-    It runs every update on tensors of a few dozen values, where each torch call costs more than its arithmetic:
-    both quantiles come from one sort, extremes from one ``aminmax``, the correlations share their ``y``. Each
-    value is the same float as computed one reduction at a time.
+    Computed on Python floats, each input converted once: the tensors hold a few dozen values, where a torch
+    reduction costs ~8 us of dispatch for nanoseconds of arithmetic (~0.7 ms an update, one by one). Sums are
+    correctly rounded (``math.fsum``), so a mean does not depend on the order a reduction happens to add in.
     """
     rows, groups = check_stats(stats)
-    out: dict[str, Tensor | float] = {}
-    if "log_rho" in stats:
-        lr = stats["log_rho"].detach().double()  # (N,)
-        low, high = torch.aminmax(lr)
-        out.update({"log_rho/mean": lr.mean(), "log_rho/std": lr.std(unbiased=False), "log_rho/min": low,
-                    "log_rho/max": high, "log_rho/abs_mean": lr.abs().mean()})  # fmt: skip
-    if "log_rho_bar" in stats:
-        lb = stats["log_rho_bar"].detach().double()  # (B,)
-        median, q90 = lb.quantile(lb.new_tensor([0.5, 0.9]))
-        out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": median, "rho_bar/log_q90": q90,
-                    "rho_bar/log_max": lb.max()})  # fmt: skip
+    # Python numbers, exactly the tensors' values (int for integer tensors; fsum and the comparisons take either).
+    values = {key: stats[key].tolist() for key in (*ROW_KEYS, *GROUP_KEYS, "entropy") if key in stats}
+    out: dict[str, float] = {}
     cap = math.log1p(cap_eps)
+    if values.get("log_rho"):
+        lr = values["log_rho"]  # (N,)
+        mean = exact_mean(lr)
+        low, high = extremes(lr)
+        std = math.sqrt(exact_mean([(x - mean) ** 2 for x in lr]))  # the population std, as the paper's spread
+        out.update({"log_rho/mean": mean, "log_rho/std": std, "log_rho/min": low, "log_rho/max": high,
+                    "log_rho/abs_mean": exact_mean(list(map(abs, lr)))})  # fmt: skip
+    if values.get("log_rho_bar"):
+        lb = values["log_rho_bar"]  # (B,)
+        ordered = [math.nan] * len(lb) if any(map(math.isnan, lb)) else sorted(lb)  # NaN, as torch.quantile
+        out.update({"rho_bar/log_mean": exact_mean(lb), "rho_bar/log_median": linear_quantile(ordered, 0.5),
+                    "rho_bar/log_q90": linear_quantile(ordered, 0.9), "rho_bar/log_max": extremes(lb)[1]})  # fmt: skip
     for key, tag in (("log_rho_bar", "gmc/rescaled_fraction"), ("log_rho", "tic/dropped_fraction")):
-        if key in stats:
-            out[tag] = (stats[key].detach() > cap).double().mean()
-    if "removed_mass" in stats:
-        mass = stats["removed_mass"].detach().double()  # (B,)
-        out.update({"removed_mass/mean": mass.mean(), "removed_mass/max": mass.max()})
-    if "ess" in stats:
-        ess = stats["ess"].detach().double()  # (B,)
-        mean = ess.mean()
-        out.update({"ess/mean": mean, "ess/min": ess.min()})
+        if values.get(key):
+            out[tag] = sum(x > cap for x in values[key]) / len(values[key])
+    if values.get("removed_mass"):
+        mass = values["removed_mass"]  # (B,)
+        out.update({"removed_mass/mean": exact_mean(mass), "removed_mass/max": extremes(mass)[1]})
+    if values.get("ess"):
+        ess = values["ess"]  # (B,)
+        out.update({"ess/mean": exact_mean(ess), "ess/min": extremes(ess)[0]})
         if rows is not None:
-            out["ess/mean_fraction_of_G"] = mean / (rows // groups)
-    if "response_lengths" in stats:
-        lengths = stats["response_lengths"].detach().double()  # (N,)
-        out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.max()})
+            out["ess/mean_fraction_of_G"] = out["ess/mean"] / (rows // groups)
+    if values.get("response_lengths"):
+        lengths = values["response_lengths"]  # (N,)
+        out.update({"response_length/mean": exact_mean(lengths), "response_length/max": extremes(lengths)[1]})
     if "rewards" in stats and groups is not None:
         out["reward/zero_variance_fraction"] = zero_variance_fraction(stats["rewards"], rows // groups)
-    if "entropy" in stats and stats["entropy"].numel():
-        out["entropy/mean"] = stats["entropy"].detach().double().mean()
+    if values.get("entropy"):
+        out["entropy/mean"] = exact_mean(values["entropy"])
     if "response_lengths" in stats:
         pairs = [(key, tag) for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length"))
                  if key in stats]  # fmt: skip
         found = correlations([stats[key] for key, _ in pairs], stats["response_lengths"])
         out.update({tag: r for (_, tag), r in zip(pairs, found, strict=True) if r is not None})
     if "schedule/draining" in stats:
-        out["drain/active"] = stats["schedule/draining"]
-    return {k: float(v) for k, v in out.items()}
+        out["drain/active"] = float(stats["schedule/draining"])
+    return out
 
 
 class Diagnostics(pl.Callback):

@@ -75,6 +75,21 @@ def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
     return ~after_eos, reasons
 
 
+def seed_sampling(device: torch.device, seed: int) -> None:
+    """Seed the generators that sampling on ``device`` draws from: the CPU one and, on a GPU, that GPU's.
+
+    Not ``torch.manual_seed``: it also seeds every other backend, and on a build where one is not initialised
+    (CUDA, XPU, MTIA on a CPU machine) it formats a stack trace for each, ~0.3 ms a call, for generators
+    ``generate`` never touches. The samples are the same.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":
+        torch.manual_seed(seed)
+
+
 class HFEngine(RolloutEngine):
     """transformers ``generate`` on a behaviour copy of the actor (the CPU default).
 
@@ -177,9 +192,8 @@ class HFEngine(RolloutEngine):
     ) -> list[RolloutGroup]:
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
-            encoded = [
-                torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"], dtype=torch.long) for p in prompts
-            ]
+            token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+        encoded = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
         width = max(e.numel() for e in encoded)
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
@@ -192,7 +206,7 @@ class HFEngine(RolloutEngine):
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
         }
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-            torch.manual_seed(call_seed)
+            seed_sampling(device, call_seed)
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),

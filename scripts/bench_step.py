@@ -98,7 +98,7 @@ def sample(behaviour, tok, prompts, launch: int):
     texts = [p.text for p in prompts]
     enc = tok(texts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
     with torch.no_grad():
-        torch.manual_seed(SEED * 1_000_003 + launch)
+        torch.default_generator.manual_seed(SEED * 1_000_003 + launch)  # as HFEngine seeds (seed_sampling)
         out = behaviour.generate(
             **enc, max_new_tokens=T, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=G,
             output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,

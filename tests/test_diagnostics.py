@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ast
 import math
+import random
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,6 +28,9 @@ from lit_gmc.callbacks.diagnostics import (
     Diagnostics,
     centred_rolling_mean,
     check_stats,
+    exact_mean,
+    extremes,
+    linear_quantile,
     pearson,
     step_scalars,
 )
@@ -139,6 +144,42 @@ def test_cross_rule_shares_use_the_callbacks_own_threshold(cap_eps):
     assert got["tic/dropped_fraction"] == pytest.approx((np.exp(lr) > 1 + cap_eps).mean(), abs=1e-12)
     with pytest.raises(ValueError, match="cap_eps"):
         Diagnostics(cap_eps=float("inf"))
+
+
+def test_linear_quantile_is_torch_quantile_bit_for_bit():
+    rng = random.Random(0)
+    for _ in range(500):
+        values = torch.randn(rng.randint(1, 40), dtype=torch.float64) * rng.choice([1e-3, 1.0, 1e3])
+        ordered = sorted(values.tolist())
+        for q in (0.0, 0.1, 0.5, 0.9, 1.0):
+            assert linear_quantile(ordered, q) == float(torch.quantile(values, q)), (ordered, q)
+    for ordered in ([1.0, math.inf], [-math.inf, 1.0], [-math.inf, math.inf], [math.inf, math.inf]):
+        want = torch.quantile(torch.tensor(ordered, dtype=torch.float64), torch.tensor([0.5, 0.9], dtype=torch.float64))
+        np.testing.assert_array_equal([linear_quantile(ordered, 0.5), linear_quantile(ordered, 0.9)], want.numpy())
+
+
+def test_exact_mean_is_order_free_and_follows_ieee_where_not_finite():
+    rng = random.Random(1)
+    for _ in range(200):
+        values = [rng.gauss(0, 1) * 10 ** rng.randint(-8, 8) for _ in range(rng.randint(1, 64))]
+        exact = sum(map(Fraction, values)) / len(values)
+        assert abs(Fraction(exact_mean(values)) - exact) <= 2 * Fraction(math.ulp(float(exact)))  # two roundings
+        assert exact_mean(rng.sample(values, len(values))) == exact_mean(values)  # no summation order in it
+    for values in ([math.inf, 1.0], [-math.inf, math.inf], [1e308, 1e308], [math.nan, 1.0], [2.0, -math.inf]):
+        want = torch.tensor(values, dtype=torch.float64).mean().item()
+        assert exact_mean(values) == want or (math.isnan(want) and math.isnan(exact_mean(values))), values
+    assert all(map(math.isnan, extremes([1.0, math.nan, -1.0])))  # NaN wherever it stands, as torch.aminmax
+    assert extremes([3, 1, 2]) == (1.0, 3.0) and isinstance(extremes([3])[0], float)
+
+
+def test_step_scalars_propagate_a_non_finite_ratio_as_torch_does():
+    stats = fake_stats(2)
+    stats["log_rho"] = stats["log_rho"].clone()
+    stats["log_rho"][1] = math.nan
+    got = step_scalars(stats)
+    for key in ("mean", "std", "min", "max", "abs_mean"):
+        assert math.isnan(got[f"log_rho/{key}"]), key
+    assert "corr/log_rho_vs_length" in got  # the correlation leaves the non-finite pair out
 
 
 def test_pearson_matches_numpy_and_is_none_when_undefined():

@@ -61,6 +61,25 @@ def test_same_seed_same_samples_other_seed_other_samples(tiny_model, char_tokeni
     assert not all(torch.equal(x.response_ids, z.response_ids) for x, z in zip(a, c, strict=True))
 
 
+def test_samples_are_those_of_generate_under_torch_manual_seed(tiny_model, char_tokenizer):
+    """``seed_sampling`` seeds only the CPU generator; the draws are the ones ``torch.manual_seed`` gives."""
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
+    before = torch.get_rng_state()
+    (group,) = engine.generate(PROMPTS[1:2], 6, SamplingParams(max_new_tokens=5, seed=11))
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's random stream is untouched
+    ids = torch.tensor([char_tokenizer(PROMPTS[1].text, add_special_tokens=False)["input_ids"]])
+    torch.manual_seed(11)
+    with torch.no_grad():
+        out = engine.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, num_return_sequences=6,
+            do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=char_tokenizer.pad_token_id,
+            eos_token_id=char_tokenizer.eos_token_id,
+        )  # fmt: skip
+    want = out[:, ids.shape[1] :]  # (6, L'): generate stops when every row has ended
+    real = group.response_mask[:, : want.shape[1]]
+    assert torch.equal(group.response_ids[:, : want.shape[1]][real], want[real])
+
+
 def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tokenizer):
     engine = HFEngine.from_model(tiny_model, char_tokenizer)
     before = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=2))
