@@ -1,0 +1,134 @@
+"""Micro-benchmark of the per-update parts changed in the third round of issue 14, against what they replaced.
+
+Each pair runs in alternating blocks of calls (process CPU time, one torch thread; medians over blocks), and the
+script checks that both sides give the same results before timing them:
+
+- ``Diagnostics``' per-update scalars: :func:`step_scalars` (Python floats) against the same scalars as float64
+  torch reductions one by one (the former implementation, restated here); they agree within 4 float64 ulps (the
+  standard deviation and the correlations differ in the last bits: ``math.fsum`` against torch's order of
+  addition), and the script counts the values that differ in float64 and after rounding to float32;
+- a launch's prompts tokenized in one call against one call per prompt;
+- :func:`seed_sampling` against ``torch.manual_seed`` (which also seeds every backend this build has).
+
+    python scripts/bench_parts.py [--blocks 40] [--block 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import struct
+import time
+from collections.abc import Callable
+
+import torch
+
+from lit_gmc import objectives as O
+from lit_gmc.actor import load_actor
+from lit_gmc.callbacks.diagnostics import step_scalars
+from lit_gmc.data.engines import seed_sampling
+from lit_gmc.data.tasks import Addition, PromptStream
+
+B, G = 8, 8  # configs/tiny.yaml
+
+
+def torch_step_scalars(stats: dict[str, torch.Tensor], cap_eps: float = 0.28) -> dict[str, float]:
+    """The scalars of :func:`step_scalars` as float64 torch reductions, one call each."""
+    lr, lb = stats["log_rho"].double(), stats["log_rho_bar"].double()
+    mass, ess, lengths = stats["removed_mass"].double(), stats["ess"].double(), stats["response_lengths"].double()
+    median, q90 = lb.quantile(lb.new_tensor([0.5, 0.9]))
+    cap = math.log1p(cap_eps)
+    out = {
+        "log_rho/mean": lr.mean(), "log_rho/std": lr.std(unbiased=False), "log_rho/min": lr.min(),
+        "log_rho/max": lr.max(), "log_rho/abs_mean": lr.abs().mean(), "rho_bar/log_mean": lb.mean(),
+        "rho_bar/log_median": median, "rho_bar/log_q90": q90, "rho_bar/log_max": lb.max(),
+        "gmc/rescaled_fraction": (lb > cap).double().mean(), "tic/dropped_fraction": (lr > cap).double().mean(),
+        "removed_mass/mean": mass.mean(), "removed_mass/max": mass.max(), "ess/mean": ess.mean(),
+        "ess/min": ess.min(), "ess/mean_fraction_of_G": ess.mean() / G, "response_length/mean": lengths.mean(),
+        "response_length/max": lengths.max(), "entropy/mean": stats["entropy"].double().mean(),
+        "reward/zero_variance_fraction": O.zero_variance_fraction(stats["rewards"], G),
+        "drain/active": stats["schedule/draining"],
+    }  # fmt: skip
+    for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length")):
+        x = stats[key].double()
+        dx, dy = x - x.mean(), lengths - lengths.mean()
+        denominator = math.sqrt(float((dx * dx).sum() * (dy * dy).sum()))
+        if denominator > 0:
+            out[tag] = float((dx * dy).sum()) / denominator
+    return {key: float(value) for key, value in out.items()}
+
+
+def tiny_stats(seed: int) -> dict[str, torch.Tensor]:
+    """Stats of the tiny job's shape: 64 rows in 8 groups, ~200 response tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    log_rho = torch.randn(B * G, generator=gen) * 0.1
+    return {
+        "log_rho": log_rho, "rewards": (torch.rand(B * G, generator=gen) > 0.5).float(),
+        "response_lengths": torch.randint(1, 7, (B * G,), generator=gen),
+        "delays": torch.randint(0, 3, (B * G,), generator=gen), "log_rho_bar": O.group_log_mean_ratio(log_rho, G),
+        "removed_mass": torch.rand(B, generator=gen), "ess": torch.rand(B, generator=gen) * G,
+        "entropy": torch.rand(200, generator=gen), "schedule/draining": torch.tensor(0.0),
+    }  # fmt: skip
+
+
+def timed(pairs: dict[str, Callable[[], object]], blocks: int, block: int) -> dict[str, float]:
+    """Median process CPU microseconds per call of each function, blocks of calls alternated."""
+    times: dict[str, list[float]] = {name: [] for name in pairs}
+    for _ in range(blocks):
+        for name, fn in pairs.items():
+            start = time.process_time()
+            for _ in range(block):
+                fn()
+            times[name].append((time.process_time() - start) / block)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--block", type=int, default=50, help="calls per block")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    stats = tiny_stats(0)
+    values = differ = differ32 = 0
+    for seed in range(300):  # same values on many draws, up to a few float64 ulps (fsum against torch's order)
+        ours, theirs = step_scalars(tiny_stats(seed)), torch_step_scalars(tiny_stats(seed))
+        for key, value in theirs.items():
+            if abs(ours[key] - value) > 4 * math.ulp(value):
+                raise SystemExit(f"step_scalars differs from the torch reductions in {key} on seed {seed}")
+            values, differ = values + 1, differ + (ours[key] != value)
+            differ32 += struct.pack("<f", ours[key]) != struct.pack("<f", value)  # what TensorBoard stores
+    print(f"step_scalars against torch reductions: {differ} of {values} values differ in float64 (<= 4 ulps), "
+          f"{differ32} once rounded to float32")
+    _, tok = load_actor("tiny")
+    texts = [p.text for p in PromptStream(Addition().train_prompts(), seed=0).take(B)]
+    one_call = lambda: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    per_prompt = lambda: [tok(text, add_special_tokens=False)["input_ids"] for text in texts]  # noqa: E731
+    if one_call() != per_prompt():
+        raise SystemExit("one tokenizer call gives other ids than one call per prompt")
+    cpu = torch.device("cpu")
+    seed_sampling(cpu, 7)
+    ours = torch.rand(4)
+    torch.manual_seed(7)
+    if not torch.equal(ours, torch.rand(4)):
+        raise SystemExit("seed_sampling and torch.manual_seed give other draws")
+
+    rows = [
+        ("Diagnostics' scalars", timed({"step_scalars": lambda: step_scalars(stats),
+                                         "torch reductions": lambda: torch_step_scalars(stats)},
+                                        args.blocks, args.block)),
+        ("tokenize 8 prompts", timed({"one call": one_call, "one call per prompt": per_prompt},
+                                      args.blocks, args.block)),
+        ("seed a launch", timed({"seed_sampling": lambda: seed_sampling(cpu, 7),
+                                 "torch.manual_seed": lambda: torch.manual_seed(7)}, args.blocks, args.block)),
+    ]  # fmt: skip
+    print("same results checked; process CPU us per call (median of alternated blocks)")
+    for label, figures in rows:
+        (new, new_us), (old, old_us) = figures.items()
+        print(f"  {label:22s} {new:15s} {new_us:8.1f}   {old:20s} {old_us:8.1f}   saves {old_us - new_us:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
