@@ -17,6 +17,7 @@ import torch
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
@@ -238,6 +239,24 @@ class GMCCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        configured = list(configured) if isinstance(configured, list) else [configured]  # the trainer extends it
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(RunSettings(run_settings(self.subcommand_config())))  # read back on resume
+        bar = trainer.progress_bar_callback
+        if type(bar) is RichProgressBar and not any(c is bar for c in configured):  # Lightning's default bar
+            trainer.callbacks[trainer.callbacks.index(bar)] = UpdateProgressBar()
         return trainer
+
+
+class UpdateProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, its training bar titled ``updates`` rather than by epoch.
+
+    A run is one epoch of rollout batches that ends at ``max_steps``; Lightning then counts ``max_epochs`` as -1
+    and the stock bar reads ``Epoch 0/-2``. The bar the trainer makes by default is replaced by this one; a
+    progress bar given in ``trainer.callbacks`` is kept as it is.
+    """
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "updates"

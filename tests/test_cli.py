@@ -256,3 +256,25 @@ def test_data_file_errors_are_user_errors(tmp_path, text, message):
     (tmp_path / "bad.jsonl").write_text(text)
     with pytest.raises(UserError, match=message):
         Math(path=str(tmp_path / "bad.jsonl"), verifier_workers=1)
+
+
+class BuildOnlyCLI(GMCCLI):
+    """Builds the model, data and trainer exactly as ``python -m lit_gmc fit`` does, but does not fit."""
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
+
+def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lit_gmc.cli import UpdateProgressBar
+
+    monkeypatch.chdir(tmp_path)
+    trainer = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3"]).trainer
+    bar = trainer.progress_bar_callback
+    assert type(bar) is UpdateProgressBar and bar._get_train_description(0) == "updates"
+    args = ["fit", "--trainer.max_steps", "3", "--trainer.callbacks+=RichProgressBar",
+            "--trainer.callbacks.refresh_rate=7"]  # fmt: skip
+    kept = BuildOnlyCLI(args=args).trainer.progress_bar_callback
+    assert type(kept) is RichProgressBar and kept.refresh_rate == 7
