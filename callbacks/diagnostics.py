@@ -97,13 +97,13 @@ def pearson(x: Tensor, y: Tensor) -> float | None:
     return correlations([x], y)[0]
 
 
-def correlations(xs: Sequence[Tensor], y: Tensor) -> list[float | None]:
-    """:func:`pearson` of each of ``xs`` with one ``y``, which is converted once."""
-    y_values = y.detach().flatten().tolist()  # (N,) Python numbers, exactly the tensor's values
+def correlations(xs: Sequence[Tensor | list[float]], y: Tensor | list[float]) -> list[float | None]:
+    """:func:`pearson` of each of ``xs`` with one ``y`` (tensors, or their values as lists), computed on floats."""
+    y_values = as_values(y)
     y_finite = all(map(math.isfinite, y_values))
     out: list[float | None] = []
     for x in xs:
-        xk, yk = x.detach().flatten().tolist(), y_values
+        xk, yk = as_values(x), y_values
         if len(xk) != len(yk):
             raise ValueError(f"correlations: {len(xk)} values against {len(yk)}")
         if not (y_finite and all(map(math.isfinite, xk))):
@@ -119,6 +119,11 @@ def correlations(xs: Sequence[Tensor], y: Tensor) -> list[float | None]:
         denominator = math.sqrt(sxx * syy)
         out.append(sxy / denominator if denominator > 0 else None)
     return out
+
+
+def as_values(values: Tensor | list[float]) -> list[float]:
+    """A tensor's values as Python numbers, exactly (flattened); a list is returned as it is."""
+    return values.detach().flatten().tolist() if isinstance(values, Tensor) else values
 
 
 def exact_mean(values: Sequence[float]) -> float:
@@ -266,7 +271,7 @@ def step_scalars(stats: Mapping[str, Tensor], cap_eps: float = 0.28) -> dict[str
     if "response_lengths" in stats:
         pairs = [(key, tag) for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length"))
                  if key in stats]  # fmt: skip
-        found = correlations([stats[key] for key, _ in pairs], stats["response_lengths"])
+        found = correlations([values[key] for key, _ in pairs], values["response_lengths"])
         out.update({tag: r for (_, tag), r in zip(pairs, found, strict=True) if r is not None})
     if "schedule/draining" in stats:
         out["drain/active"] = float(stats["schedule/draining"])
