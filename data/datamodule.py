@@ -14,7 +14,6 @@ therefore those of the single-process run, whatever the number of ranks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import threading
 import warnings
@@ -23,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -322,8 +320,7 @@ class RolloutDataModule(pl.LightningDataModule):
         for b, group in enumerate(groups):
             texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
             rewards = checked_rewards(self.score(texts, group.answer), hp.group_size, self.score, group.prompt_id)
-            rewards = torch.tensor(rewards, dtype=torch.float32)
-            scored.append(dataclasses.replace(group, rewards=rewards, batch_id=launch_id))
+            scored.append(group.with_rewards(rewards, batch_id=launch_id))
         return scored
 
     def next_share(self) -> RolloutBatch | None:

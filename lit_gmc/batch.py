@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,9 +61,9 @@ class RolloutGroup:
         """``(G,)`` number of real response tokens per response."""
         return self.response_mask.sum(-1)
 
-    def with_rewards(self, rewards: Sequence[float]) -> RolloutGroup:
-        """A copy of the group with ``rewards`` set (as a float32 tensor)."""
-        return replace(self, rewards=torch.as_tensor(rewards, dtype=torch.float32))
+    def with_rewards(self, rewards: Sequence[float], **changes: Any) -> RolloutGroup:
+        """A copy of the group with ``rewards`` set (as a float32 tensor) and any other ``changes`` of fields."""
+        return replace(self, rewards=torch.as_tensor(rewards, dtype=torch.float32), **changes)
 
 
 @dataclass
