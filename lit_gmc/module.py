@@ -421,18 +421,18 @@ class GMCModule(pl.LightningModule):
         scalars = {
             "train/reward": rewards.mean(),
             "train/loss": loss,
-            "train/lr": torch.tensor(lr),
             "train/grad_norm": grad_norm,
             "delay/mean": delays.mean(),
             "delay/max": delays.max(),
         }  # distributions of ratios, lengths, entropy and the corrections' effect: the Diagnostics callback
         scalars.update({k: v for k, v in stats.items() if v.dim() == 0 and "/" in k})
-        scalars.update({f"schedule/{k}": torch.tensor(v) for k, v in batch.info.items()})
-        scalars.update({k: torch.tensor(v) for k, v in extra.items()})
+        # Python numbers go to the loggers as they are (no tensor round trip): they store them as float32.
+        values = {k: float(v) for k, v in scalars.items()}
+        values.update({"train/lr": float(lr), **{f"schedule/{k}": float(v) for k, v in batch.info.items()}})
+        values.update({k: float(v) for k, v in extra.items()})
         # Straight to the loggers rather than self.log: Lightning re-logs the last value of a key on steps that
         # do not log it, which would invent mismatch readings for steps without delay-0 rows (or a first GAC
         # cosine). The step is the one Lightning uses for this batch, the update's index n.
-        values = {k: float(v) for k, v in scalars.items()}
         for logger in self.loggers:
             logger.log_metrics(values, step=step)
         self.show_on_progress_bar(values, batch.info)

@@ -1,4 +1,5 @@
-"""Micro-benchmark of the per-update parts changed in the third round of issue 14, against what they replaced.
+"""Micro-benchmark of the per-update parts changed in the third and fourth rounds of issue 14, against what they
+replaced.
 
 Each pair runs in alternating blocks of calls (process CPU time, one torch thread; medians over blocks), and the
 script checks that both sides give the same results before timing them:
@@ -8,7 +9,12 @@ script checks that both sides give the same results before timing them:
   standard deviation and the correlations differ in the last bits: ``math.fsum`` against torch's order of
   addition), and the script counts the values that differ in float64 and after rounding to float32;
 - a launch's prompts tokenized in one call against one call per prompt;
-- :func:`seed_sampling` against ``torch.manual_seed`` (which also seeds every backend this build has).
+- :func:`seed_sampling` against ``torch.manual_seed`` (which also seeds every backend this build has);
+- ``RunningDelayMoments.update`` (Python floats) against its former three float64 torch reductions (restated
+  here): the same bits on every draw;
+- one logger event of 25 scalars built in place (``WriteThroughSummaryWriter.add_scalar_dict``) against the
+  values built apart then wrapped in a ``Summary`` and an ``Event`` (``FileWriter.add_summary``, its former
+  body): the same event.
 
     python scripts/bench_parts.py [--blocks 40] [--block 50]
 """
@@ -17,18 +23,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import struct
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
+from tensorboard.compat.proto.summary_pb2 import Summary
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.callbacks.diagnostics import step_scalars
 from lit_gmc.data.engines import seed_sampling
 from lit_gmc.data.tasks import Addition, PromptStream
+from lit_gmc.delays import RunningDelayMoments
+from lit_gmc.loggers import WriteThroughSummaryWriter
 
 B, G = 8, 8  # configs/tiny.yaml
 
@@ -57,6 +68,19 @@ def torch_step_scalars(stats: dict[str, torch.Tensor], cap_eps: float = 0.28) ->
         if denominator > 0:
             out[tag] = float((dx * dy).sum()) / denominator
     return {key: float(value) for key, value in out.items()}
+
+
+def torch_delay_moments(delays: torch.Tensor) -> tuple[float, float, float]:
+    """The update's mean delay, squared delay and fourth-power delay as ``RunningDelayMoments`` took them before."""
+    d = delays.detach().double().flatten()
+    return float(d.mean()), float((d**2).mean()), float((d**4).mean())
+
+
+def python_delay_moments(delays: torch.Tensor) -> tuple[float, float, float]:
+    """The same three means through ``RunningDelayMoments.update`` (now on Python floats)."""
+    moments = RunningDelayMoments()
+    moments.update(delays)
+    return moments.tau1, moments.tau2, moments.tau4
 
 
 def tiny_stats(seed: int) -> dict[str, torch.Tensor]:
@@ -115,6 +139,27 @@ def main() -> None:
     if not torch.equal(ours, torch.rand(4)):
         raise SystemExit("seed_sampling and torch.manual_seed give other draws")
 
+    for seed in range(300):  # delays of fixed-delay and live runs: the same bits
+        gen = torch.Generator().manual_seed(seed)
+        delays = torch.randint(0, [1, 9, 33, 129, 1001][seed % 5], (B * G,), generator=gen)
+        if python_delay_moments(delays) != torch_delay_moments(delays):
+            raise SystemExit(f"RunningDelayMoments differs from the torch reductions on seed {seed}")
+    delays = torch.full((B * G,), 8)
+    writer = WriteThroughSummaryWriter(tempfile.mkdtemp())
+    scalars = {f"diag/scalar_{k}": random.Random(k).random() for k in range(25)}
+    in_place = lambda: writer.add_scalar_dict(scalars, 3)  # noqa: E731
+    file_writer = writer._get_file_writer()
+    apart = lambda: file_writer.add_summary(  # noqa: E731
+        Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]), 3
+    )
+    events = []
+    file_writer.event_writer.add_event, write = events.append, file_writer.event_writer.add_event
+    in_place(), apart()
+    file_writer.event_writer.add_event = write
+    events[0].wall_time = events[1].wall_time
+    if events[0] != events[1]:
+        raise SystemExit("the event built in place differs from the one built apart")
+
     rows = [
         ("Diagnostics' scalars", timed({"step_scalars": lambda: step_scalars(stats),
                                          "torch reductions": lambda: torch_step_scalars(stats)},
@@ -123,6 +168,9 @@ def main() -> None:
                                       args.blocks, args.block)),
         ("seed a launch", timed({"seed_sampling": lambda: seed_sampling(cpu, 7),
                                  "torch.manual_seed": lambda: torch.manual_seed(7)}, args.blocks, args.block)),
+        ("delay moments", timed({"Python floats": lambda: python_delay_moments(delays),
+                                 "torch reductions": lambda: torch_delay_moments(delays)}, args.blocks, args.block)),
+        ("event of 25 scalars", timed({"built in place": in_place, "built apart": apart}, args.blocks, args.block)),
     ]  # fmt: skip
     print("same results checked; process CPU us per call (median of alternated blocks)")
     for label, figures in rows:

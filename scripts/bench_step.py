@@ -18,6 +18,9 @@ The two alternate update by update, so that both see the same load on a busy mac
 of the bare loop at the top of every ``on_train_batch_start``, outside lit_gmc's timed window. lit_gmc's update is
 the interval from there to the next ``on_train_batch_start`` (one training step, its callbacks and the fetch of the
 next batch); start-up, the first ``--warmup`` updates and, under ``FixedDelay``, the draining updates are left out.
+The bare update is timed until its temporaries (``generate``'s scores, the update's tensors) are freed, as lit_gmc's
+window holds the freeing of its own (phase ``release``; before the fourth round its clock stopped just before, which
+left ~0.25 ms an update out of the bare side).
 Each ``fit`` gives the median of the per-update ratios lit_gmc / bare (and the median seconds of each); the script
 prints the median over ``--reps`` fits. Times are process CPU time by default (``--clock cpu``: steadier than wall
 time when other processes share the cores) and wall time alongside.
@@ -29,7 +32,8 @@ up to the mean update) and medians over repetitions. The wrappers slow an instru
 (the script prints both fits' ratios), so read the small phases as upper bounds.
 
     python scripts/bench_step.py [--reps 5] [--steps 40] [--warmup 5] [--schedule Sync|FixedDelay] [--delay 8]
-                                 [--clock cpu|wall] [--compare-logger] [--json out.json] [--plot [PNG]]
+                                 [--clock cpu|wall] [--compare-logger] [--fit-args "..."] [--json out.json]
+                                 [--plot [PNG]]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import io
 import json
 import math
 import os
+import shlex
 import statistics
 import tempfile
 import time
@@ -77,11 +82,11 @@ GROUPS = {"generate": "generate", "score": "score", "collate": "collate", "sched
           "learner other": "stats", "learner": "stats", "learner: zero_grad": "optimizer",
           "learner: lr scheduler step": "optimizer", "clip": "optimizer", "optimizer": "optimizer",
           "weight sync": "weight sync", "logging": "logging", "callback": "callbacks",
-          "Lightning loop": "Lightning loop"}  # fmt: skip
+          "Lightning loop": "Lightning loop", "release": "release"}  # fmt: skip
 COLOURS = {"generate": "#1f77b4", "score": "#aec7e8", "collate": "#ff7f0e", "log-probs forward": "#2ca02c",
            "loss": "#98df8a", "backward": "#d62728", "stats": "#ff9896", "optimizer": "#9467bd",
            "weight sync": "#c5b0d5", "logging": "#e377c2", "callbacks": "#bcbd22",
-           "Lightning loop": "#7f7f7f"}  # fmt: skip
+           "Lightning loop": "#7f7f7f", "release": "#dbdb8d"}  # fmt: skip
 VARIANTS = {"lit": "lit_gmc", "lit_flush": "lit_gmc, logger flushed every call (before)"}
 
 
@@ -133,8 +138,21 @@ class BareLoop:
         self.losses: list[float] = []
 
     def step(self) -> None:
-        """One update: sample, score, collate, log-probs, loss, backward, clip, AdamW, weights to the behaviour copy."""
-        wall, t, tok = time.perf_counter(), [self.clock()], self.tok
+        """One update, timed up to the release of its temporaries (as lit_gmc's window includes its own)."""
+        wall, start = time.perf_counter(), self.clock()
+        marks = self._update()
+        end = self.clock()  # after _update's locals (generate's scores, the update's tensors) are freed
+        self.times.append(end - start)
+        self.walls.append(time.perf_counter() - wall)
+        phases = {name: marks[i + 1] - marks[i] for i, name in enumerate(self.NAMES)}
+        self.phases.append({**phases, "release": end - marks[-1] + marks[0] - start})
+
+    def _update(self) -> list[float]:
+        """Sample, score, collate, log-probs, loss, backward, clip, AdamW, weights to the behaviour copy.
+
+        Returns the clock at the start and at the end of each phase of :attr:`NAMES`.
+        """
+        t, tok = [self.clock()], self.tok
         prompts = self.stream.take(B)
         enc, sequences, tokens, behav = sample(self.behaviour, tok, prompts, self.launch)
         self.launch += 1
@@ -169,10 +187,8 @@ class BareLoop:
             for target, source in zip(self.behaviour.parameters(), self.model.parameters(), strict=True):
                 target.copy_(source)
         t.append(self.clock())
-        self.times.append(t[-1] - t[0])
-        self.walls.append(time.perf_counter() - wall)
-        self.phases.append({name: t[i + 1] - t[i] for i, name in enumerate(self.NAMES)})
         self.losses.append(float(loss.detach()))
+        return t
 
 
 # ------------------------------------------------------------------------------------- lit_gmc, instrumented
@@ -300,18 +316,20 @@ class FlushEveryCallLogger(TensorBoardLogger):
         self.experiment.flush()
 
 
-def lit_run(steps: int, schedule: list[str], workdir: Path, clock: Callable, instrument: bool, logger: str | None):
+def lit_run(steps: int, schedule: list[str], workdir: Path, clock: Callable, instrument: bool, logger: str | None,
+            fit_args: list[str] = ()):  # fmt: skip
     """``fit`` in this process with a bare update before each of its updates; ``(lit windows, bare loop)``.
 
     The windows are ``(clock seconds, wall seconds, {phase: clock seconds})`` of the updates but the last.
     ``logger``: a ``class_path`` replacing the embedded default's logger class (same ``init_args``).
+    ``fit_args``: more ``fit`` options, after the others.
     """
     phases = Phases(clock)
     bare = BareLoop(steps, clock)
     timer = StepClock(phases, bare, instrument)
     args = ["fit", "--model.correction", "grpo", *schedule, "--trainer.max_steps", str(steps), "--torch_num_threads",
             "1", *(["--trainer.logger.class_path", logger] if logger else []),
-            "--trainer.logger.init_args.save_dir", str(workdir)]  # fmt: skip
+            "--trainer.logger.init_args.save_dir", str(workdir), *fit_args]  # fmt: skip
     out = io.StringIO()  # the progress bar and Lightning's messages, as in a run whose output goes to a file
     with phases.patched(LIBRARY_PHASES if instrument else []), contextlib.redirect_stderr(out):
         with contextlib.redirect_stdout(out):
@@ -353,6 +371,8 @@ def parse_args() -> argparse.Namespace:
     add("--delay", type=int, default=8, help="FixedDelay's delay (its draining updates are left out)")
     add("--clock", choices=["cpu", "wall"], default="cpu", help="process CPU time or wall time (both are printed)")
     add("--compare-logger", action="store_true", help="also run lit_gmc with its former, flush-every-call logger")
+    add("--fit-args", default="", help="more fit options for lit_gmc, one shell-quoted string (e.g. to leave out "
+        "callbacks: \"--trainer.callbacks '[]'\"); the loss check is skipped when nothing logs train/loss")  # fmt: skip
     add("--json", type=Path, help="write the figures here")
     add("--plot", nargs="?", const=Path("docs/figures/performance_phases.png"), type=Path,
         help="save a bar chart of ms/update per phase (default docs/figures/performance_phases.png)")  # fmt: skip
@@ -370,6 +390,7 @@ def main() -> None:
     # Window k holds the fetch of batch k + 1: keep the windows whose fetch generated (not draining).
     keep = range(args.warmup, args.steps - 1 - draining)
     variants = ["lit", *(["lit_flush"] if args.compare_logger else [])]
+    fit_args = shlex.split(args.fit_args)
     kinds = ("", "_bare", "_phases", "_phases_bare")  # timed lit_gmc, its bare loop, and the same when instrumented
     results: dict = {f"{name}{kind}": [] for name in variants for kind in kinds}
     results.update(load=[os.getloadavg()[0]], args={k: str(v) for k, v in vars(args).items()})
@@ -379,13 +400,14 @@ def main() -> None:
                 logger = f"{__name__}.FlushEveryCallLogger" if name == "lit_flush" else None
                 for instrument in (False, True):
                     workdir = Path(tmp) / f"{name}{rep}{'_phases' * instrument}"
-                    windows, bare = lit_run(args.steps, schedule, workdir, clock, instrument, logger)
+                    windows, bare = lit_run(args.steps, schedule, workdir, clock, instrument, logger, fit_args)
                     both, kind = paired(windows, bare, keep), "_phases" if instrument else ""
                     results[f"{name}{kind}"].append(both["lit"])
                     results[f"{name}{kind}_bare"].append(both["bare"])
-                if rep == 0 and args.schedule == "Sync":
-                    logged = [value for _, value in read_scalars(workdir)["train/loss"]]
-                    gap = max(abs(a - b) for a, b in zip(logged, bare.losses, strict=True))
+                logged = read_scalars(workdir) if rep == 0 and workdir.exists() else {}
+                if args.schedule == "Sync" and "train/loss" in logged:  # not when --fit-args drops the logger
+                    losses = [value for _, value in logged["train/loss"]]
+                    gap = max(abs(a - b) for a, b in zip(losses, bare.losses, strict=True))
                     results[f"max_loss_gap_{name}"] = gap
                     print(f"same math: max |loss({name}) - loss(bare)| over {args.steps} updates = {gap:.3g}")
             ratios = ", ".join(f"{name} {results[name][-1]['ratio']:.3f}x bare" for name in variants)

@@ -119,3 +119,29 @@ def test_missing_delays_is_a_clear_error(tmp_path):
 def test_bad_period_is_named():
     with pytest.raises(ValueError, match="histogram_every_n_steps must be >= 1"):
         DelayAccounting(histogram_every_n_steps=0)
+
+
+def test_moments_are_the_float64_torch_means_bit_for_bit_where_those_are_exact():
+    from lit_gmc.delays import RunningDelayMoments
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, largest in [(1, 0), (2, 1), (64, 8), (64, 1000), (512, 128), (8192, 1000)]:
+        delays = torch.randint(0, largest + 1, (rows,), generator=generator)
+        moments = RunningDelayMoments()
+        moments.update(delays.view(-1, 1) if rows % 2 else delays.view(2, -1))  # any shape
+        as_double = delays.double()
+        expected = [float(as_double.mean()), float((as_double**2).mean()), float((as_double**4).mean())]
+        assert [moments.tau1, moments.tau2, moments.tau4] == expected
+    # Past 2**53 the sum is correctly rounded: eq. 11 in exact rational arithmetic, rounded once (64 rows: the
+    # division by 64 is exact).
+    from fractions import Fraction
+
+    huge = torch.tensor([9_000, 8_999, 1, 0] * 16)
+    moments = RunningDelayMoments()
+    moments.update(huge)
+    exact = Fraction(sum(int(d) ** 4 for d in huge.tolist()), huge.numel())
+    assert sum(int(d) ** 4 for d in huge.tolist()) > 2**53 and moments.tau4 == float(exact)
+    with pytest.raises(ValueError, match="at least one delay"):
+        moments.update(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        moments.update(torch.tensor([3.0, float("nan"), -1.0]))
