@@ -124,7 +124,7 @@ def test_logging_after_finalize_opens_a_new_file(tmp_path):
 
 
 def test_fast_crc_is_tensorboards():
-    """The vectorised checksum equals TensorBoard's byte loop, around the block edges of its tables too."""
+    """The C checksum, masked, equals TensorBoard's byte loop (TFRecord's masked CRC-32C) at every length tried."""
     gen = torch.Generator().manual_seed(0)
     for length in [*range(0, 80), 1023, 1024, 1025, 1027, 2048, 2051, 4100, 9000]:
         data = torch.randint(0, 256, (length,), generator=gen, dtype=torch.uint8).numpy().tobytes()
