@@ -257,9 +257,9 @@ class UpdateProgressBar(RichProgressBar):
     progress bar given in ``trainer.callbacks`` is kept as it is.
 
     Lightning's default ``refresh_rate`` of 100 has a thread build the whole bar after every update of a tiny run
-    (~13 a second), drawn or not: ~1 ms of CPU an update when the output goes to a file, ~2.3 ms in a terminal,
-    against ~0.1 and ~0.6 ms at 2 (``docs/performance.md``, fourth round). Twice a second is also the rate at
-    which Lightning's bar redraws its elapsed-time column.
+    (~13 a second), drawn or not: ~1.2 ms of CPU an update when the output goes to a file, ~3.4 ms in a terminal,
+    against ~0.1 and ~0.5 ms at 2 (``scripts/bench_threads.py``; ``docs/performance.md``, fourth round). Twice a
+    second is also the rate at which Lightning's bar redraws its elapsed-time column.
     """
 
     def __init__(self, refresh_rate: int = 2, **kwargs: Any) -> None:
