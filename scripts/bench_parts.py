@@ -155,9 +155,10 @@ def main() -> None:
     apart = lambda: file_writer.add_summary(  # noqa: E731
         Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]), 3
     )
-    events = []
-    file_writer.event_writer.add_event, write = events.append, file_writer.event_writer.add_event
-    in_place(), apart()
+    events, write = [], file_writer.event_writer.add_event
+    file_writer.event_writer.add_event = events.append  # keep both events instead of writing them
+    in_place()
+    apart()
     file_writer.event_writer.add_event = write
     events[0].wall_time = events[1].wall_time
     if events[0] != events[1]:

@@ -51,7 +51,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -317,7 +317,7 @@ class FlushEveryCallLogger(TensorBoardLogger):
 
 
 def lit_run(steps: int, schedule: list[str], workdir: Path, clock: Callable, instrument: bool, logger: str | None,
-            fit_args: list[str] = ()):  # fmt: skip
+            fit_args: Sequence[str] = ()):  # fmt: skip
     """``fit`` in this process with a bare update before each of its updates; ``(lit windows, bare loop)``.
 
     The windows are ``(clock seconds, wall seconds, {phase: clock seconds})`` of the updates but the last.
@@ -404,8 +404,9 @@ def main() -> None:
                     both, kind = paired(windows, bare, keep), "_phases" if instrument else ""
                     results[f"{name}{kind}"].append(both["lit"])
                     results[f"{name}{kind}_bare"].append(both["bare"])
-                logged = read_scalars(workdir) if rep == 0 and workdir.exists() else {}
-                if args.schedule == "Sync" and "train/loss" in logged:  # not when --fit-args drops the logger
+                checked = rep == 0 and args.schedule == "Sync" and workdir.exists()  # no folder without a logger
+                logged = read_scalars(workdir) if checked else {}
+                if "train/loss" in logged:
                     losses = [value for _, value in logged["train/loss"]]
                     gap = max(abs(a - b) for a, b in zip(losses, bare.losses, strict=True))
                     results[f"max_loss_gap_{name}"] = gap
