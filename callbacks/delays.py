@@ -50,7 +50,7 @@ class DelayAccounting(pl.Callback):
                 "DelayAccounting needs training_step to return a dict with 'delays' (the (N,) delays of the batch's "
                 f"trajectories); got {type(outputs).__name__} with keys {keys}"
             )
-        delays = outputs["delays"].detach().double().flatten()  # (N,)
+        delays = outputs["delays"].detach()  # (N,)
         self.moments.update(delays)
         scalars = {
             "delay/tau_bar_2": self.moments.tau2,
@@ -77,7 +77,7 @@ class DelayAccounting(pl.Callback):
         for logger in trainer.loggers:
             add_histogram = getattr(getattr(logger, "experiment", None), "add_histogram", None)
             if add_histogram is not None:
-                add_histogram("delay/histogram", delays.float(), global_step=step)
+                add_histogram("delay/histogram", delays.double().float().flatten(), global_step=step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

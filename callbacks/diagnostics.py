@@ -37,6 +37,7 @@ Delay moments and delay histograms are not logged here (the delay accounting cal
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -48,8 +49,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
-
-from lit_gmc.objectives import zero_variance_fraction
 
 ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
 GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
@@ -161,6 +160,20 @@ def linear_quantile(ordered: Sequence[float], q: float) -> float:
     return float(Fraction(coefficient) * Fraction(b - a) + Fraction(start))
 
 
+def tied_fraction(rewards: Sequence[float], group_size: int) -> float:
+    """:func:`lit_gmc.objectives.zero_variance_fraction` of the rewards' values, the same float.
+
+    The share of groups whose rewards all equal their first exactly (NaN never ties), rounded to float32 as
+    that function's float32 mean rounds it (a ratio of integers below 2**24 rounds to the same float32 from its
+    float64 value as from the exact quotient).
+    """
+    starts = range(0, len(rewards), group_size)
+    if not starts:
+        return math.nan  # the mean over no groups
+    tied = sum(all(r == rewards[s] for r in rewards[s : s + group_size]) for s in starts)
+    return array("f", [tied / len(starts)])[0]
+
+
 def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
     """``[start, stop)`` of the centred window of width ``window`` around ``index`` in a series of ``count``.
 
@@ -265,7 +278,7 @@ def step_scalars(stats: Mapping[str, Tensor], cap_eps: float = 0.28) -> dict[str
         lengths = values["response_lengths"]  # (N,)
         out.update({"response_length/mean": exact_mean(lengths), "response_length/max": extremes(lengths)[1]})
     if "rewards" in stats and groups is not None:
-        out["reward/zero_variance_fraction"] = zero_variance_fraction(stats["rewards"], rows // groups)
+        out["reward/zero_variance_fraction"] = tied_fraction(values["rewards"], rows // groups)
     if values.get("entropy"):
         out["entropy/mean"] = exact_mean(values["entropy"])
     if "response_lengths" in stats:

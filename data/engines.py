@@ -193,14 +193,12 @@ class HFEngine(RolloutEngine):
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
             token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-        encoded = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
-        width = max(e.numel() for e in encoded)
+        width = max(len(ids) for ids in token_lists)
         device = next(self.model.parameters()).device
-        input_ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(encoded), width), dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - ids.numel() :] = ids
-            attention[row, width - ids.numel() :] = 1
+        # Left-padded on Python lists, one tensor each: two writes per row cost more than the rows' values.
+        padded = [[tok.pad_token_id] * (width - len(ids)) + ids for ids in token_lists]
+        input_ids = torch.tensor(padded, dtype=torch.long)  # (B, P)
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in token_lists], dtype=torch.long)
         greedy = sampling.temperature == 0
         kwargs = {"do_sample": False} if greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
@@ -231,24 +229,26 @@ class HFEngine(RolloutEngine):
         mask, reasons = _response_mask(tokens, tok.eos_token_id)
         tokens = tokens.masked_fill(~mask, tok.pad_token_id)
         logprobs = logprobs.masked_fill(~mask, 0.0)
-        groups = []
-        for b, prompt in enumerate(prompts):
-            rows = slice(b * n, (b + 1) * n)
-            groups.append(
-                RolloutGroup(
-                    prompt_id=prompt.id,
-                    prompt=prompt.text,
-                    answer=prompt.answer,
-                    prompt_ids=encoded[b],
-                    response_ids=tokens[rows].clone(),
-                    response_mask=mask[rows].clone(),
-                    behavior_logprobs=logprobs[rows].clone(),
-                    finish_reasons=reasons[rows],
-                    rewards=torch.zeros(n),
-                    version=version,
-                )
+        # Each group owns its tensors (clones, not views of the launch's), so that a checkpointed or long-queued
+        # group holds only its own rows.
+        parts = zip(tokens.split(n), mask.split(n), logprobs.split(n), strict=True)
+        return [
+            RolloutGroup(
+                prompt_id=prompt.id,
+                prompt=prompt.text,
+                answer=prompt.answer,
+                prompt_ids=torch.tensor(ids, dtype=torch.long),
+                response_ids=group_tokens.clone(),
+                response_mask=group_mask.clone(),
+                behavior_logprobs=group_logprobs.clone(),
+                finish_reasons=reasons[b * n : (b + 1) * n],
+                rewards=torch.zeros(n),
+                version=version,
             )
-        return groups
+            for b, (prompt, ids, (group_tokens, group_mask, group_logprobs)) in enumerate(
+                zip(prompts, token_lists, parts, strict=True)
+            )
+        ]
 
     def close(self) -> None:
         """Drop the behaviour copy of the model (stop the engine process in the dedicated layout)."""

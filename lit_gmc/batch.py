@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass
@@ -169,12 +170,11 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
     width_p = max(int(g.prompt_ids.numel()) for g in groups)
     width_l = max(int(g.response_ids.shape[1]) for g in groups)
     # One row per group, repeated G times: prompts are shared within a group.
-    lengths = torch.tensor([g.prompt_ids.numel() for g in groups])  # (B,)
-    group_prompts = torch.full((len(groups), width_p), pad_id, dtype=torch.long)  # (B, P)
-    for b, group in enumerate(groups):
-        group_prompts[b, width_p - group.prompt_ids.numel() :] = group.prompt_ids
+    group_prompts = pad_sequence([g.prompt_ids.long() for g in groups], True, pad_id, "left")  # (B, P)
+    lengths = [int(g.prompt_ids.numel()) for g in groups]
+    group_mask = torch.tensor([[False] * (width_p - n) + [True] * n for n in lengths], dtype=torch.bool)  # (B, P)
     prompts = group_prompts.repeat_interleave(size, 0)  # (N, P)
-    prompt_mask = (torch.arange(width_p) >= width_p - lengths[:, None]).repeat_interleave(size, 0)  # (N, P)
+    prompt_mask = group_mask.repeat_interleave(size, 0)  # (N, P)
 
     def right_padded(field: str, fill: float | bool | int, dtype: torch.dtype) -> Tensor:  # (N, L)
         parts = [getattr(g, field).to(dtype) for g in groups]

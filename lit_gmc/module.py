@@ -87,6 +87,11 @@ def validate_model_args(
     return problems
 
 
+def joined(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)``; the one part itself when there is one (one micro-batch), rather than a copy of it."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
     """Learning-rate multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     if step < warmup:
@@ -228,14 +233,19 @@ class GMCModule(pl.LightningModule):
             temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
         )  # fmt: skip
 
-    def policy_terms(self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None) -> PolicyTerms:
-        """The correction rule's inputs: ``logprobs`` of the current policy with the batch's behaviour data."""
+    def policy_terms(
+        self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None, delays: Tensor | None = None
+    ) -> PolicyTerms:
+        """The correction rule's inputs: ``logprobs`` of the current policy with the batch's behaviour data.
+
+        ``delays``: the batch's ``(n,)`` delays at this step, when the caller has them already.
+        """
         return PolicyTerms(
             token_logprobs=logprobs,
             behavior_logprobs=batch.behavior_logprobs.to(logprobs.dtype),
             mask=batch.response_mask,
             rewards=batch.rewards.to(logprobs.dtype),
-            delays=batch.delays(self.global_step),
+            delays=batch.delays(self.global_step) if delays is None else delays,
             group_size=batch.group_size,
             grad_norms_sq=grad_norms_sq,
         )
@@ -276,9 +286,9 @@ class GMCModule(pl.LightningModule):
         return torch.stack(norms).detach()  # (n,)
 
     def micro_batch_loss(
-        self, batch: RolloutBatch, part: RolloutBatch
+        self, batch: RolloutBatch, part: RolloutBatch, delays: Tensor | None = None
     ) -> tuple[Tensor, CorrectionOutput, Tensor, Tensor]:
-        """Loss share of the groups in ``part``, with what the step logs about them.
+        """Loss share of the groups in ``part``, with what the step logs about them (``delays``: ``part``'s, if known).
 
         Returns the loss share (normalised for the whole ``batch``), the rule's outputs, and the detached
         token entropies and log-probs ``(n, L)`` of the current policy.
@@ -286,7 +296,7 @@ class GMCModule(pl.LightningModule):
         # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
         norms = self.trajectory_grad_norms_sq(part) if self.rule.needs_grad_norms else None  # (n,) or None
         logprobs, entropy = self(part.input_ids, part.attention_mask, part.prompt_width)  # (n, L), (n, L)
-        out = self.rule.fn(self.policy_terms(part, logprobs, norms), self.eps)
+        out = self.rule.fn(self.policy_terms(part, logprobs, norms, delays), self.eps)
         loss = O.aggregate_loss(
             out.token_loss,
             part.response_mask,
@@ -310,8 +320,10 @@ class GMCModule(pl.LightningModule):
         losses, outputs, entropies, logprobs = [], [], [], []
         starts = range(0, batch.num_groups, per_pass)
         for start in starts:
-            part = batch.groups_slice(start, min(start + per_pass, batch.num_groups))
-            loss, out, entropy, current = self.micro_batch_loss(batch, part)
+            stop = min(start + per_pass, batch.num_groups)
+            part = batch.groups_slice(start, stop) if len(starts) > 1 else batch
+            part_delays = delays[start * batch.group_size : stop * batch.group_size] if len(starts) > 1 else delays
+            loss, out, entropy, current = self.micro_batch_loss(batch, part, part_delays)
             # DDP: gradients are all-reduced once, with the last micro-batch (FSDP2 reduce-scatters each one, which
             # keeps its gradients sharded between micro-batches).
             last = start == starts[-1]
@@ -321,7 +333,7 @@ class GMCModule(pl.LightningModule):
             outputs.append(out)
             entropies.append(entropy.masked_select(part.response_mask))
             logprobs.append(current)
-        stats = self.collect_stats(batch, delays, outputs, torch.cat(entropies), torch.cat(logprobs))
+        stats = self.collect_stats(batch, delays, outputs, joined(entropies), joined(logprobs))
         step, lr = self.global_step, optimizer.param_groups[0]["lr"]
         loss = sum_across(torch.stack(losses).sum())
         if not torch.isfinite(loss):
@@ -369,9 +381,9 @@ class GMCModule(pl.LightningModule):
         so the statistics are those of the whole batch, as in a single-process run. ``delays`` is ``(n,)``.
         """
         rows = {
-            "log_rho": torch.cat([o.log_rho for o in outputs]),
-            "coefficients": torch.cat([o.coefficients for o in outputs]),
-            "advantages": torch.cat([o.advantages for o in outputs]),
+            "log_rho": joined([o.log_rho for o in outputs]),
+            "coefficients": joined([o.coefficients for o in outputs]),
+            "advantages": joined([o.advantages for o in outputs]),
             "rewards": batch.rewards,
             "response_lengths": batch.response_mask.sum(-1),
             "delays": delays,

@@ -1,5 +1,5 @@
-"""Micro-benchmark of the per-update parts changed in the third and fourth rounds of issue 14, against what they
-replaced.
+"""Micro-benchmark of the per-update parts changed in the third, fourth and fifth rounds of issue 14, against what
+they replaced.
 
 Each pair runs in alternating blocks of calls (process CPU time, one torch thread; medians over blocks), and the
 script checks that both sides give the same results before timing them:
@@ -18,6 +18,16 @@ script checks that both sides give the same results before timing them:
 - the TFRecord checksum of a ~9 kB event (a histogram's) by ``fast_masked_crc32c`` (``google-crc32c``) against
   TensorBoard's byte loop: the same value.
 
+Fifth round:
+
+- ``HFEngine``'s left-padded prompts and attention mask built from Python lists (two tensors) against one
+  slice write per row of each (the former code, restated here): the same tensors;
+- ``collate_groups``' left-padded prompts (``pad_sequence``) and prompt mask (from Python lists) against the
+  former per-group writes and ``arange`` comparison (restated here): the same tensors;
+- ``Diagnostics``' zero-variance fraction on the rewards' values (:func:`tied_fraction`) against
+  ``zero_variance_fraction`` on the tensor: the same float on every draw;
+- Lightning's profiler context per hook: lit_gmc's :class:`NoProfiler` against the stock ``PassThroughProfiler``.
+
     python scripts/bench_parts.py [--blocks 40] [--block 50]
 """
 
@@ -33,12 +43,15 @@ import time
 from collections.abc import Callable
 
 import torch
+from lightning.pytorch.profilers import PassThroughProfiler
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
-from lit_gmc.callbacks.diagnostics import step_scalars
+from lit_gmc.callbacks.diagnostics import step_scalars, tied_fraction
+from lit_gmc.cli import NoProfiler
 from lit_gmc.data.engines import seed_sampling
 from lit_gmc.data.tasks import Addition, PromptStream
 from lit_gmc.delays import RunningDelayMoments
@@ -84,6 +97,44 @@ def python_delay_moments(delays: torch.Tensor) -> tuple[float, float, float]:
     moments = RunningDelayMoments()
     moments.update(delays)
     return moments.tau1, moments.tau2, moments.tau4
+
+
+def padded_by_rows(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HFEngine``'s prompts and attention mask as it built them before: one slice write per row of each."""
+    encoded = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
+    width = max(e.numel() for e in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - ids.numel() :] = ids
+        attention[row, width - ids.numel() :] = 1
+    return input_ids, attention
+
+
+def padded_by_lists(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two tensors as ``HFEngine`` builds them now, from Python lists."""
+    width = max(len(ids) for ids in token_lists)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in token_lists], dtype=torch.long)
+    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in token_lists], dtype=torch.long)
+    return input_ids, attention
+
+
+def group_prompts_by_rows(prompt_ids: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``collate_groups``' (B, P) prompts and prompt mask as it built them before."""
+    width = max(int(p.numel()) for p in prompt_ids)
+    lengths = torch.tensor([p.numel() for p in prompt_ids])
+    prompts = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    for b, ids in enumerate(prompt_ids):
+        prompts[b, width - ids.numel() :] = ids
+    return prompts, torch.arange(width) >= width - lengths[:, None]
+
+
+def group_prompts_padded(prompt_ids: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two as ``collate_groups`` builds them now."""
+    width = max(int(p.numel()) for p in prompt_ids)
+    prompts = pad_sequence([p.long() for p in prompt_ids], True, pad_id, "left")
+    lengths = [int(p.numel()) for p in prompt_ids]
+    return prompts, torch.tensor([[False] * (width - n) + [True] * n for n in lengths], dtype=torch.bool)
 
 
 def tiny_stats(seed: int) -> dict[str, torch.Tensor]:
@@ -167,6 +218,26 @@ def main() -> None:
     if fast_masked_crc32c(record) != masked_crc32c(record):
         raise SystemExit("fast_masked_crc32c differs from TensorBoard's masked_crc32c")
 
+    token_lists = one_call()
+    pairs = zip(padded_by_lists(token_lists, 0), padded_by_rows(token_lists, 0), strict=True)
+    if not all(torch.equal(a, b) for a, b in pairs):
+        raise SystemExit("the prompts padded from lists differ from the ones written row by row")
+    prompt_ids = [torch.tensor(ids) for ids in token_lists]
+    pairs = zip(group_prompts_padded(prompt_ids, 0), group_prompts_by_rows(prompt_ids, 0), strict=True)
+    if not all(torch.equal(a, b) for a, b in pairs):
+        raise SystemExit("collate's padded prompts differ from the ones written row by row")
+    for seed in range(300):  # ties, NaN and float32 rounding of the share
+        gen = torch.Generator().manual_seed(seed)
+        rewards = torch.randint(0, 2 + seed % 3, (B * G,), generator=gen).float()
+        rewards[seed % (B * G)] = math.nan if seed % 7 == 0 else rewards[seed % (B * G)]
+        if tied_fraction(rewards.tolist(), G) != O.zero_variance_fraction(rewards, G):
+            raise SystemExit(f"tied_fraction differs from zero_variance_fraction on seed {seed}")
+    stock, quiet = PassThroughProfiler(), NoProfiler()
+
+    def hook_in(profiler) -> None:
+        with profiler.profile("[Callback]Diagnostics.on_train_batch_end"):
+            pass
+
     rows = [
         ("Diagnostics' scalars", timed({"step_scalars": lambda: step_scalars(stats),
                                          "torch reductions": lambda: torch_step_scalars(stats)},
@@ -180,6 +251,18 @@ def main() -> None:
         ("event of 25 scalars", timed({"built in place": in_place, "built apart": apart}, args.blocks, args.block)),
         ("checksum of 9 kB", timed({"google-crc32c": lambda: fast_masked_crc32c(record),
                                     "TensorBoard's loop": lambda: masked_crc32c(record)}, 4, 5)),
+        ("engine: pad 8 prompts", timed({"Python lists": lambda: padded_by_lists(token_lists, 0),
+                                         "row writes": lambda: padded_by_rows(token_lists, 0)},
+                                        args.blocks, args.block)),
+        ("collate: 8 prompts", timed({"pad_sequence": lambda: group_prompts_padded(prompt_ids, 0),
+                                      "row writes": lambda: group_prompts_by_rows(prompt_ids, 0)},
+                                     args.blocks, args.block)),
+        ("zero-variance share", timed({"tied_fraction": lambda: tied_fraction(stats["rewards"].tolist(), G),
+                                       "torch": lambda: O.zero_variance_fraction(stats["rewards"], G)},
+                                      args.blocks, args.block)),
+        ("profiler, 95 hooks", timed({"NoProfiler": lambda: [hook_in(quiet) for _ in range(95)],
+                                      "PassThrough": lambda: [hook_in(stock) for _ in range(95)]},
+                                     args.blocks, args.block // 5)),
     ]  # fmt: skip
     print("same results checked; process CPU us per call (median of alternated blocks)")
     for label, figures in rows:

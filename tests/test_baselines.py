@@ -497,6 +497,26 @@ def test_micro_batches_of_groups_add_up_to_the_full_batch(name, actor_dir, token
     torch.testing.assert_close(parts, whole, rtol=1e-9, atol=1e-12)
 
 
+class DelaysSeen(GMCModule):
+    """``GMCModule`` noting, for every micro-batch, the delays its rule was given and the part's own at that step."""
+
+    def micro_batch_loss(self, batch, part, delays=None):
+        self.seen = [*getattr(self, "seen", []), (delays.clone(), part.delays(self.global_step))]
+        return super().micro_batch_loss(batch, part, delays)
+
+
+def test_each_micro_batch_gets_its_own_groups_delays(actor_dir, tokenizer, tmp_path):
+    """training_step computes the batch's delays once and hands each micro-batch its rows of them (A-3PO reads them)."""
+    module = DelaysSeen(actor=str(actor_dir), correction="a3po", dtype="float64", max_response_length=T_MAX,
+                        micro_batch_groups=1)  # fmt: skip
+    batch = replace(make_batch(module.actor, tokenizer), versions=torch.tensor([-3, -1]))  # delays 3, 1 at step 0
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch, batch], batch_size=None))
+    assert [given.tolist() for given, _ in module.seen] == [[3] * G, [1] * G, [4] * G, [2] * G]
+    assert all(torch.equal(given, own) for given, own in module.seen)
+
+
 class Recorder(pl.Callback):
     """Loss, the optimizer's lr at the step, and the logged scalars of every training step."""
 

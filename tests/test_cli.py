@@ -279,3 +279,20 @@ def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tm
             "--trainer.callbacks.refresh_rate=7"]  # fmt: skip
     kept = BuildOnlyCLI(args=args).trainer.progress_bar_callback
     assert type(kept) is RichProgressBar and kept.refresh_rate == 7
+
+
+def test_the_default_profiler_enters_no_generator_and_a_configured_one_is_kept(tmp_path, monkeypatch):
+    import contextlib
+
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from lit_gmc.cli import NoProfiler
+
+    monkeypatch.chdir(tmp_path)
+    profiler = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3"]).trainer.profiler
+    assert type(profiler) is NoProfiler
+    context = profiler.profile("[Callback]Diagnostics.on_train_batch_end")
+    assert isinstance(context, contextlib.nullcontext) and context is profiler.profile("run_training_batch")
+    assert profiler.summary() == ""  # still Lightning's pass-through profiler for everything else
+    chosen = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3", "--trainer.profiler", "simple"]).trainer.profiler
+    assert type(chosen) is SimpleProfiler

@@ -192,6 +192,23 @@ def test_pearson_matches_numpy_and_is_none_when_undefined():
     assert pearson(with_inf, torch.cat([y, torch.tensor([0.0])])) == pytest.approx(pearson(x, y))
 
 
+def test_tied_fraction_is_zero_variance_fraction_on_the_values():
+    """Diagnostics reads the share of tied groups off the rewards' Python values: the same float as the tensor's."""
+    from lit_gmc.callbacks.diagnostics import tied_fraction
+    from lit_gmc.objectives import zero_variance_fraction
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        group_size, groups = 1 + trial % 7, 1 + trial % 23  # shares like 1/3 and 5/7 round to float32
+        rewards = torch.randint(0, 1 + trial % 3, (groups * group_size,), generator=gen).double() * 0.7
+        if trial % 5 == 0:
+            rewards[trial % rewards.numel()] = math.nan  # NaN ties with nothing, itself included
+        for dtype in (torch.float32, torch.float64):
+            values = rewards.to(dtype)
+            assert tied_fraction(values.tolist(), group_size) == zero_variance_fraction(values, group_size)
+    assert math.isnan(tied_fraction([], 4))
+
+
 def test_zero_variance_fraction_by_hand():
     from lit_gmc.objectives import zero_variance_fraction
 
