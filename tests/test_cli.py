@@ -296,3 +296,40 @@ def test_the_default_profiler_enters_no_generator_and_a_configured_one_is_kept(t
     assert profiler.summary() == ""  # still Lightning's pass-through profiler for everything else
     chosen = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3", "--trainer.profiler", "simple"]).trainer.profiler
     assert type(chosen) is SimpleProfiler
+
+
+def test_the_default_bar_updates_at_its_refresh_rate_and_at_the_last_batch(tmp_path, monkeypatch):
+    """The count and metrics are drawn twice a second: the bar updates them as often, and always at the end."""
+    import itertools
+
+    import lightning.pytorch as pl
+    import torch
+
+    from lit_gmc import cli
+
+    bar = cli.UpdateProgressBar()
+    ticks = itertools.count()  # each batch end reads the clock once: 0.1 s per batch
+    monkeypatch.setattr(bar, "clock", lambda: next(ticks) / 10)
+    drawn, update = [], bar._update
+
+    def noted(task, current, **kwargs):  # Lightning's update of the bar's count, noted
+        drawn.append(current)
+        return update(task, current, **kwargs)
+
+    monkeypatch.setattr(bar, "_update", noted)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, callbacks=[bar], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(23, 2), batch_size=1))
+    assert drawn == [1, 6, 11, 16, 21, 23]  # every 5th batch (0.5 s apart at 2 a second) and the last
