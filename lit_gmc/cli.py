@@ -275,17 +275,18 @@ class UpdateProgressBar(RichProgressBar):
         self._next_update = 0.0  # the clock's time after which the next batch updates the bar
 
     @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self._next_update = 0.0  # an epoch's first batch updates the bar
+        super().on_train_epoch_start(trainer, pl_module)
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Lightning's bar updates its count and metrics after every batch, though they are drawn only refresh_rate
         # times a second: here at most that often, and always for the epoch's last batch (~0.13 ms an update
         # otherwise, docs/performance.md, fifth round).
         now = self.clock()
-        if (
-            self.is_enabled
-            and self.train_progress_bar_id is not None
-            and now < self._next_update
-            and batch_idx + 1 < self.total_train_batches
-        ):
+        last = batch_idx + 1 >= trainer.num_training_batches or 0 < trainer.max_steps <= trainer.global_step
+        if self.is_enabled and self.train_progress_bar_id is not None and now < self._next_update and not last:
             return
         self._next_update = now + 1 / self.refresh_rate if self.is_enabled else 0.0
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -329,7 +329,11 @@ def test_the_default_bar_updates_at_its_refresh_rate_and_at_the_last_batch(tmp_p
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, callbacks=[bar], default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(23, 2), batch_size=1))
-    assert drawn == [1, 6, 11, 16, 21, 23]  # every 5th batch (0.5 s apart at 2 a second) and the last
+    for stop in ({"max_epochs": 1}, {"max_epochs": -1, "max_steps": 17}):  # the epoch's end, then max_steps
+        drawn.clear()
+        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
+                             callbacks=[bar], default_root_dir=tmp_path, **stop)  # fmt: skip
+        trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(23, 2), batch_size=1))
+        last = 23 if stop["max_epochs"] == 1 else 17
+        assert drawn[0] == 1 and drawn[-1] == last  # the first batch and the last
+        assert all(b - a == 5 for a, b in zip(drawn[:-2], drawn[1:-1], strict=True))  # 0.5 s apart at 2 a second
