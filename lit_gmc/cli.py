@@ -256,7 +256,8 @@ class GMCCLI(LightningCLI):
 class UpdateProgressBar(RichProgressBar):
     """Lightning's rich progress bar, its training bar titled ``updates`` rather than by epoch, redrawn twice a second.
 
-    Its count and metrics are updated at most ``refresh_rate`` times a second too (and at the epoch's last batch).
+    Its count and metrics are updated at most ``refresh_rate`` times a second too, and always at an epoch's first
+    batch and at the epoch's or the run's last one.
 
     A run is one epoch of rollout batches that ends at ``max_steps``; Lightning then counts ``max_epochs`` as -1
     and the stock bar reads ``Epoch 0/-2``. The bar the trainer makes by default is replaced by this one; a
@@ -282,8 +283,8 @@ class UpdateProgressBar(RichProgressBar):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Lightning's bar updates its count and metrics after every batch, though they are drawn only refresh_rate
-        # times a second: here at most that often, and always for the epoch's last batch (~0.13 ms an update
-        # otherwise, docs/performance.md, fifth round).
+        # times a second: here at most that often, and always at the epoch's or the run's last batch (~0.13 ms an
+        # update otherwise, docs/performance.md, fifth round).
         now = self.clock()
         last = batch_idx + 1 >= trainer.num_training_batches or 0 < trainer.max_steps <= trainer.global_step
         if self.is_enabled and self.train_progress_bar_id is not None and now < self._next_update and not last:

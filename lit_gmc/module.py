@@ -321,6 +321,7 @@ class GMCModule(pl.LightningModule):
         starts = range(0, batch.num_groups, per_pass)
         for start in starts:
             stop = min(start + per_pass, batch.num_groups)
+            # One pass (the tiny default): the batch itself rather than a copy of it sliced tensor by tensor.
             part = batch.groups_slice(start, stop) if len(starts) > 1 else batch
             part_delays = delays[start * batch.group_size : stop * batch.group_size] if len(starts) > 1 else delays
             loss, out, entropy, current = self.micro_batch_loss(batch, part, part_delays)
