@@ -329,7 +329,8 @@ def lit_run(steps: int, schedule: list[str], workdir: Path, clock: Callable, ins
     timer = StepClock(phases, bare, instrument)
     args = ["fit", "--model.correction", "grpo", *schedule, "--trainer.max_steps", str(steps), "--torch_num_threads",
             "1", *(["--trainer.logger.class_path", logger] if logger else []),
-            "--trainer.logger.init_args.save_dir", str(workdir), *fit_args]  # fmt: skip
+            "--trainer.logger.init_args.save_dir", str(workdir), "--trainer.default_root_dir", str(workdir),
+            *fit_args]  # fmt: skip
     out = io.StringIO()  # the progress bar and Lightning's messages, as in a run whose output goes to a file
     with phases.patched(LIBRARY_PHASES if instrument else []), contextlib.redirect_stderr(out):
         with contextlib.redirect_stdout(out):
@@ -404,7 +405,7 @@ def main() -> None:
                     both, kind = paired(windows, bare, keep), "_phases" if instrument else ""
                     results[f"{name}{kind}"].append(both["lit"])
                     results[f"{name}{kind}_bare"].append(both["bare"])
-                checked = rep == 0 and args.schedule == "Sync" and workdir.exists()  # no folder without a logger
+                checked = rep == 0 and args.schedule == "Sync" and any(workdir.rglob("events.out.tfevents.*"))
                 logged = read_scalars(workdir) if checked else {}
                 if "train/loss" in logged:
                     losses = [value for _, value in logged["train/loss"]]

@@ -71,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         fit = ["fit", "--model.correction", "grpo", "--data.schedule", "Sync", "--torch_num_threads", "1",
                "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", workdir,
-               *shlex.split(args.fit_args)]  # fmt: skip
+               "--trainer.default_root_dir", workdir, *shlex.split(args.fit_args)]  # fmt: skip
         GMCCLI(args=fit, trainer_defaults={"callbacks": [ThreadClock(args.warmup)]})
 
 
