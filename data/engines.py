@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from lit_gmc.batch import RolloutGroup
+from lit_gmc.batch import RolloutGroup, left_padded
 from lit_gmc.data.components import check_options
 from lit_gmc.data.engine_process import EngineProcess, copy_weights
 from lit_gmc.data.tasks import Prompt
@@ -193,12 +193,10 @@ class HFEngine(RolloutEngine):
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
             token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-        width = max(len(ids) for ids in token_lists)
+        prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
+        input_ids, attention = left_padded(prompt_ids, tok.pad_token_id)  # (B, P) each
+        width = input_ids.shape[1]
         device = next(self.model.parameters()).device
-        # Left-padded on Python lists, one tensor each: two writes per row cost more than the rows' values.
-        padded = [[tok.pad_token_id] * (width - len(ids)) + ids for ids in token_lists]
-        input_ids = torch.tensor(padded, dtype=torch.long)  # (B, P)
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in token_lists], dtype=torch.long)
         greedy = sampling.temperature == 0
         kwargs = {"do_sample": False} if greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
@@ -207,7 +205,7 @@ class HFEngine(RolloutEngine):
             seed_sampling(device, call_seed)
             out = self.model.generate(
                 input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
+                attention_mask=attention.long().to(device),
                 max_new_tokens=sampling.max_new_tokens,
                 num_return_sequences=1 if greedy else n,  # greedy copies would be identical: decode once
                 output_scores=True,
@@ -237,7 +235,7 @@ class HFEngine(RolloutEngine):
                 prompt_id=prompt.id,
                 prompt=prompt.text,
                 answer=prompt.answer,
-                prompt_ids=torch.tensor(ids, dtype=torch.long),
+                prompt_ids=ids,
                 response_ids=group_tokens.clone(),
                 response_mask=group_mask.clone(),
                 behavior_logprobs=group_logprobs.clone(),
@@ -246,7 +244,7 @@ class HFEngine(RolloutEngine):
                 version=version,
             )
             for b, (prompt, ids, (group_tokens, group_mask, group_logprobs)) in enumerate(
-                zip(prompts, token_lists, parts, strict=True)
+                zip(prompts, prompt_ids, parts, strict=True)
             )
         ]
 

@@ -159,6 +159,18 @@ class RolloutBatch:
         )
 
 
+def left_padded(sequences: Sequence[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """1-D ``sequences`` left-padded with ``pad_id`` to the longest ``(B, P)``, and the ``(B, P)`` mask of their tokens.
+
+    One ``pad_sequence`` and a mask built from the lengths: writing each row into a pre-filled tensor costs two torch
+    calls a row, more than the rows' values at prompt sizes.
+    """
+    padded = pad_sequence(list(sequences), batch_first=True, padding_value=pad_id, padding_side="left")
+    width = padded.shape[1]
+    mask = torch.tensor([[False] * (width - len(s)) + [True] * len(s) for s in sequences], dtype=torch.bool)
+    return padded, mask
+
+
 def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, float] | None = None) -> RolloutBatch:
     """Stack groups into one :class:`RolloutBatch` (prompts left-padded, responses right-padded)."""
     if not groups:
@@ -167,12 +179,10 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
     if len(sizes) != 1:
         raise ValueError(f"all groups in a batch must have the same group size, got {sorted(sizes)}")
     (size,) = sizes
-    width_p = max(int(g.prompt_ids.numel()) for g in groups)
     width_l = max(int(g.response_ids.shape[1]) for g in groups)
     # One row per group, repeated G times: prompts are shared within a group.
-    group_prompts = pad_sequence([g.prompt_ids.long() for g in groups], True, pad_id, "left")  # (B, P)
-    lengths = [int(g.prompt_ids.numel()) for g in groups]
-    group_mask = torch.tensor([[False] * (width_p - n) + [True] * n for n in lengths], dtype=torch.bool)  # (B, P)
+    group_prompts, group_mask = left_padded([g.prompt_ids.long() for g in groups], pad_id)  # (B, P) each
+    width_p = group_prompts.shape[1]
     prompts = group_prompts.repeat_interleave(size, 0)  # (N, P)
     prompt_mask = group_mask.repeat_interleave(size, 0)  # (N, P)
 

@@ -20,10 +20,10 @@ script checks that both sides give the same results before timing them:
 
 Fifth round:
 
-- ``HFEngine``'s left-padded prompts and attention mask built from Python lists (two tensors) against one
-  slice write per row of each (the former code, restated here): the same tensors;
-- ``collate_groups``' left-padded prompts (``pad_sequence``) and prompt mask (from Python lists) against the
-  former per-group writes and ``arange`` comparison (restated here): the same tensors;
+- ``HFEngine``'s and ``collate_groups``' left-padded prompts and mask (:func:`left_padded`: one ``pad_sequence``,
+  the mask from the lengths) against what each did before (restated here): one slice write per row of the ids and
+  of the mask in ``HFEngine``, per-group writes and an ``arange`` comparison in ``collate_groups``; the same
+  tensors;
 - ``Diagnostics``' zero-variance fraction on the rewards' values (:func:`tied_fraction`) against
   ``zero_variance_fraction`` on the tensor: the same float on every draw;
 - Lightning's profiler context per hook: lit_gmc's :class:`NoProfiler` against the stock ``PassThroughProfiler``.
@@ -46,10 +46,10 @@ import torch
 from lightning.pytorch.profilers import PassThroughProfiler
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
+from lit_gmc.batch import left_padded
 from lit_gmc.callbacks.diagnostics import step_scalars, tied_fraction
 from lit_gmc.cli import NoProfiler
 from lit_gmc.data.engines import seed_sampling
@@ -111,12 +111,10 @@ def padded_by_rows(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Ten
     return input_ids, attention
 
 
-def padded_by_lists(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same two tensors as ``HFEngine`` builds them now, from Python lists."""
-    width = max(len(ids) for ids in token_lists)
-    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in token_lists], dtype=torch.long)
-    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in token_lists], dtype=torch.long)
-    return input_ids, attention
+def padded_as_engine(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two as ``HFEngine`` builds them now: one tensor per prompt, :func:`left_padded`, a long mask."""
+    input_ids, mask = left_padded([torch.tensor(ids, dtype=torch.long) for ids in token_lists], pad_id)
+    return input_ids, mask.long()
 
 
 def group_prompts_by_rows(prompt_ids: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,14 +125,6 @@ def group_prompts_by_rows(prompt_ids: list[torch.Tensor], pad_id: int) -> tuple[
     for b, ids in enumerate(prompt_ids):
         prompts[b, width - ids.numel() :] = ids
     return prompts, torch.arange(width) >= width - lengths[:, None]
-
-
-def group_prompts_padded(prompt_ids: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same two as ``collate_groups`` builds them now."""
-    width = max(int(p.numel()) for p in prompt_ids)
-    prompts = pad_sequence([p.long() for p in prompt_ids], True, pad_id, "left")
-    lengths = [int(p.numel()) for p in prompt_ids]
-    return prompts, torch.tensor([[False] * (width - n) + [True] * n for n in lengths], dtype=torch.bool)
 
 
 def tiny_stats(seed: int) -> dict[str, torch.Tensor]:
@@ -219,13 +209,11 @@ def main() -> None:
         raise SystemExit("fast_masked_crc32c differs from TensorBoard's masked_crc32c")
 
     token_lists = one_call()
-    pairs = zip(padded_by_lists(token_lists, 0), padded_by_rows(token_lists, 0), strict=True)
-    if not all(torch.equal(a, b) for a, b in pairs):
-        raise SystemExit("the prompts padded from lists differ from the ones written row by row")
     prompt_ids = [torch.tensor(ids) for ids in token_lists]
-    pairs = zip(group_prompts_padded(prompt_ids, 0), group_prompts_by_rows(prompt_ids, 0), strict=True)
-    if not all(torch.equal(a, b) for a, b in pairs):
-        raise SystemExit("collate's padded prompts differ from the ones written row by row")
+    for padded, by_rows in [(padded_as_engine(token_lists, 0), padded_by_rows(token_lists, 0)),
+                            (left_padded(prompt_ids, 0), group_prompts_by_rows(prompt_ids, 0))]:  # fmt: skip
+        if not all(torch.equal(a, b) for a, b in zip(padded, by_rows, strict=True)):
+            raise SystemExit("left_padded differs from the prompts written row by row")
     for seed in range(300):  # ties, NaN and float32 rounding of the share
         gen = torch.Generator().manual_seed(seed)
         rewards = torch.randint(0, 2 + seed % 3, (B * G,), generator=gen).float()
@@ -251,10 +239,10 @@ def main() -> None:
         ("event of 25 scalars", timed({"built in place": in_place, "built apart": apart}, args.blocks, args.block)),
         ("checksum of 9 kB", timed({"google-crc32c": lambda: fast_masked_crc32c(record),
                                     "TensorBoard's loop": lambda: masked_crc32c(record)}, 4, 5)),
-        ("engine: pad 8 prompts", timed({"Python lists": lambda: padded_by_lists(token_lists, 0),
+        ("engine: pad 8 prompts", timed({"left_padded": lambda: padded_as_engine(token_lists, 0),
                                          "row writes": lambda: padded_by_rows(token_lists, 0)},
                                         args.blocks, args.block)),
-        ("collate: 8 prompts", timed({"pad_sequence": lambda: group_prompts_padded(prompt_ids, 0),
+        ("collate: 8 prompts", timed({"left_padded": lambda: left_padded(prompt_ids, 0),
                                       "row writes": lambda: group_prompts_by_rows(prompt_ids, 0)},
                                      args.blocks, args.block)),
         ("zero-variance share", timed({"tied_fraction": lambda: tied_fraction(stats["rewards"].tolist(), G),
