@@ -67,10 +67,12 @@ def correctness(
     """``(P, n)`` 0/1 correctness of ``n`` responses to each prompt."""
     if not prompts:
         return torch.zeros(0, n)
+    from lit_gmc.data.tokens import decode_responses
+
     groups = engine.generate(prompts, n, sampling)
     pairs = []
     for prompt, group in zip(prompts, groups, strict=True):
-        texts = tokenizer.batch_decode(group.response_ids, skip_special_tokens=True)
+        texts = decode_responses(tokenizer, group.response_ids.tolist())
         pairs.extend((text, prompt.answer) for text in texts)
     return torch.tensor(scorer.score_pairs(pairs), dtype=torch.float64).view(len(prompts), n)
 

@@ -33,6 +33,7 @@ from lit_gmc.data.engines import RolloutEngine, SamplingParams
 from lit_gmc.data.recompute import BehaviorRecompute
 from lit_gmc.data.schedules import Batch, DelaySchedule
 from lit_gmc.data.tasks import Prompt, PromptStream, Task
+from lit_gmc.data.tokens import decode_responses
 from lit_gmc.distributed import rank_and_world, scatter_from_first
 
 # Lightning warns that a sized IterableDataset may over-count under several loader workers; ours is read in the
@@ -312,10 +313,7 @@ class RolloutDataModule(pl.LightningDataModule):
         hp = self.hparams
         sampling = SamplingParams(hp.temperature, hp.top_p, hp.max_new_tokens, seed=hp.seed * 1_000_003 + launch_id)
         groups = self.engine.generate(prompts, hp.group_size, sampling)
-        # One decode call for the launch: per-group calls cost more than the decoding itself at tiny sizes.
-        completions = self.tokenizer.batch_decode(
-            [row for group in groups for row in group.response_ids.tolist()], skip_special_tokens=True
-        )
+        completions = decode_responses(self.tokenizer, [row for group in groups for row in group.response_ids.tolist()])
         scored = []
         for b, group in enumerate(groups):
             texts = completions[b * hp.group_size : (b + 1) * hp.group_size]

@@ -21,6 +21,7 @@ from lit_gmc.batch import RolloutGroup, left_padded
 from lit_gmc.data.components import check_options
 from lit_gmc.data.engine_process import EngineProcess, copy_weights
 from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.tokens import encode_prompts
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class HFEngine(RolloutEngine):
     ) -> list[RolloutGroup]:
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
-            token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+            token_lists = encode_prompts(tok, [p.text for p in prompts])
         prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
         input_ids, attention = left_padded(prompt_ids, tok.pad_token_id)  # (B, P) each
         width = input_ids.shape[1]
