@@ -38,8 +38,7 @@ def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[st
         for name, tensor in named_tensors:
             if name not in parameters:
                 raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
-            target = parameters[name]
-            target.copy_(tensor.detach().to(target.device, target.dtype))
+            parameters[name].copy_(tensor)  # copy_ casts to the target's dtype and device itself
 
 
 def as_arrays(group: RolloutGroup) -> RolloutGroup:

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass
@@ -159,16 +159,22 @@ class RolloutBatch:
         )
 
 
-def left_padded(sequences: Sequence[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    """1-D ``sequences`` left-padded with ``pad_id`` to the longest ``(B, P)``, and the ``(B, P)`` mask of their tokens.
+def left_padded(sequences: Sequence[Sequence[int] | Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token ids (lists or 1-D tensors) left-padded with ``pad_id`` to the longest, and the mask of their tokens.
 
-    One ``pad_sequence`` and a mask built from the lengths: writing each row into a pre-filled tensor costs two torch
-    calls a row, more than the rows' values at prompt sizes.
+    Returns ``(B, P)`` int64 ids and a ``(B, P)`` bool mask. They are written into two numpy arrays row by row, then
+    handed to torch without a copy: at prompt sizes each torch call (a row write, ``pad_sequence``, a tensor built
+    from nested lists) costs more than the values it moves.
     """
-    padded = pad_sequence(list(sequences), batch_first=True, padding_value=pad_id, padding_side="left")
-    width = padded.shape[1]
-    mask = torch.tensor([[False] * (width - len(s)) + [True] * len(s) for s in sequences], dtype=torch.bool)
-    return padded, mask
+    rows = [s.tolist() if isinstance(s, Tensor) else s for s in sequences]
+    lengths = [len(row) for row in rows]
+    width = max(lengths, default=0)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=bool)
+    for index, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        ids[index, width - length :] = row
+        mask[index, width - length :] = True
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, float] | None = None) -> RolloutBatch:
@@ -181,7 +187,7 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
     (size,) = sizes
     width_l = max(int(g.response_ids.shape[1]) for g in groups)
     # One row per group, repeated G times: prompts are shared within a group.
-    group_prompts, group_mask = left_padded([g.prompt_ids.long() for g in groups], pad_id)  # (B, P) each
+    group_prompts, group_mask = left_padded([g.prompt_ids for g in groups], pad_id)  # (B, P) each
     width_p = group_prompts.shape[1]
     prompts = group_prompts.repeat_interleave(size, 0)  # (N, P)
     prompt_mask = group_mask.repeat_interleave(size, 0)  # (N, P)

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the per-update parts changed in the third, fourth and fifth rounds of issue 14, against what
+"""Micro-benchmark of the per-update parts changed in the third to sixth rounds of issue 14, against what
 they replaced.
 
 Each pair runs in alternating blocks of calls (process CPU time, one torch thread; medians over blocks), and the
@@ -8,7 +8,6 @@ script checks that both sides give the same results before timing them:
   torch reductions one by one (the former implementation, restated here); they agree within 4 float64 ulps (the
   standard deviation and the correlations differ in the last bits: ``math.fsum`` against torch's order of
   addition), and the script counts the values that differ in float64 and after rounding to float32;
-- a launch's prompts tokenized in one call against one call per prompt;
 - :func:`seed_sampling` against ``torch.manual_seed`` (which also seeds every backend this build has);
 - ``RunningDelayMoments.update`` (Python floats) against its former three float64 torch reductions (restated
   here): the same bits on every draw;
@@ -28,6 +27,15 @@ Fifth round:
   ``zero_variance_fraction`` on the tensor: the same float on every draw;
 - Lightning's profiler context per hook: lit_gmc's :class:`NoProfiler` against the stock ``PassThroughProfiler``.
 
+Sixth round:
+
+- a launch's 8 prompts encoded by :func:`encode_prompts` (one backend call per prompt) against the tokenizer's
+  batched call, and its 64 responses decoded by :func:`decode_responses` against ``batch_decode``: the same ids
+  and texts. (The third round's pair, one tokenizer call against one per prompt, is replaced by the first.)
+- :func:`left_padded` written into numpy arrays against the fifth round's ``pad_sequence`` (restated here), in
+  ``HFEngine`` (with the per-prompt tensors: through numpy now, ``torch.tensor`` before) and in
+  ``collate_groups``: the same tensors. (These replace the fifth round's two padding pairs.)
+
     python scripts/bench_parts.py [--blocks 40] [--block 50]
 """
 
@@ -42,10 +50,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from lightning.pytorch.profilers import PassThroughProfiler
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
@@ -54,6 +64,7 @@ from lit_gmc.callbacks.diagnostics import step_scalars, tied_fraction
 from lit_gmc.cli import NoProfiler
 from lit_gmc.data.engines import seed_sampling
 from lit_gmc.data.tasks import Addition, PromptStream
+from lit_gmc.data.tokens import decode_responses, encode_prompts
 from lit_gmc.delays import RunningDelayMoments
 from lit_gmc.loggers import WriteThroughSummaryWriter, fast_masked_crc32c
 
@@ -99,32 +110,25 @@ def python_delay_moments(delays: torch.Tensor) -> tuple[float, float, float]:
     return moments.tau1, moments.tau2, moments.tau4
 
 
-def padded_by_rows(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``HFEngine``'s prompts and attention mask as it built them before: one slice write per row of each."""
-    encoded = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
-    width = max(e.numel() for e in encoded)
-    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):
-        input_ids[row, width - ids.numel() :] = ids
-        attention[row, width - ids.numel() :] = 1
-    return input_ids, attention
+def padded_by_pad_sequence(sequences: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`left_padded` as the fifth round wrote it: one ``pad_sequence``, the mask built from nested lists."""
+    padded = pad_sequence(list(sequences), batch_first=True, padding_value=pad_id, padding_side="left")
+    width = padded.shape[1]
+    mask = torch.tensor([[False] * (width - len(s)) + [True] * len(s) for s in sequences], dtype=torch.bool)
+    return padded, mask
 
 
-def padded_as_engine(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same two as ``HFEngine`` builds them now: one tensor per prompt, :func:`left_padded`, a long mask."""
-    input_ids, mask = left_padded([torch.tensor(ids, dtype=torch.long) for ids in token_lists], pad_id)
-    return input_ids, mask.long()
+def engine_prompts_before(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """``HFEngine``'s prompt tensors in the fifth round: one tensor per prompt, then padded (ids, long mask, rows)."""
+    prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
+    input_ids, mask = padded_by_pad_sequence(prompt_ids, pad_id)
+    return input_ids, mask.long(), *prompt_ids
 
 
-def group_prompts_by_rows(prompt_ids: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``collate_groups``' (B, P) prompts and prompt mask as it built them before."""
-    width = max(int(p.numel()) for p in prompt_ids)
-    lengths = torch.tensor([p.numel() for p in prompt_ids])
-    prompts = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    for b, ids in enumerate(prompt_ids):
-        prompts[b, width - ids.numel() :] = ids
-    return prompts, torch.arange(width) >= width - lengths[:, None]
+def engine_prompts(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """The same as ``HFEngine`` builds them now: :func:`left_padded` on the lists, each prompt through numpy."""
+    input_ids, mask = left_padded(token_lists, pad_id)
+    return input_ids, mask.long(), *(torch.from_numpy(np.array(ids, dtype=np.int64)) for ids in token_lists)
 
 
 def tiny_stats(seed: int) -> dict[str, torch.Tensor]:
@@ -173,9 +177,12 @@ def main() -> None:
     _, tok = load_actor("tiny")
     texts = [p.text for p in PromptStream(Addition().train_prompts(), seed=0).take(B)]
     one_call = lambda: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    per_prompt = lambda: [tok(text, add_special_tokens=False)["input_ids"] for text in texts]  # noqa: E731
-    if one_call() != per_prompt():
-        raise SystemExit("one tokenizer call gives other ids than one call per prompt")
+    if encode_prompts(tok, texts) != one_call():
+        raise SystemExit("encode_prompts gives other ids than the tokenizer's call")
+    gen = torch.Generator().manual_seed(0)
+    responses = torch.randint(0, len(tok), (B * G, 6), generator=gen).tolist()  # any ids: EOS and padding too
+    if decode_responses(tok, responses) != tok.batch_decode(responses, skip_special_tokens=True):
+        raise SystemExit("decode_responses gives other texts than the tokenizer's batch_decode")
     cpu = torch.device("cpu")
     seed_sampling(cpu, 7)
     ours = torch.rand(4)
@@ -210,10 +217,10 @@ def main() -> None:
 
     token_lists = one_call()
     prompt_ids = [torch.tensor(ids) for ids in token_lists]
-    for padded, by_rows in [(padded_as_engine(token_lists, 0), padded_by_rows(token_lists, 0)),
-                            (left_padded(prompt_ids, 0), group_prompts_by_rows(prompt_ids, 0))]:  # fmt: skip
-        if not all(torch.equal(a, b) for a, b in zip(padded, by_rows, strict=True)):
-            raise SystemExit("left_padded differs from the prompts written row by row")
+    for now, before in [(engine_prompts(token_lists, 0), engine_prompts_before(token_lists, 0)),
+                        (left_padded(prompt_ids, 0), padded_by_pad_sequence(prompt_ids, 0))]:  # fmt: skip
+        if not all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(now, before, strict=True)):
+            raise SystemExit("left_padded differs from the fifth round's padding")
     for seed in range(300):  # ties, NaN and float32 rounding of the share
         gen = torch.Generator().manual_seed(seed)
         rewards = torch.randint(0, 2 + seed % 3, (B * G,), generator=gen).float()
@@ -230,7 +237,10 @@ def main() -> None:
         ("Diagnostics' scalars", timed({"step_scalars": lambda: step_scalars(stats),
                                          "torch reductions": lambda: torch_step_scalars(stats)},
                                         args.blocks, args.block)),
-        ("tokenize 8 prompts", timed({"one call": one_call, "one call per prompt": per_prompt},
+        ("encode 8 prompts", timed({"encode_prompts": lambda: encode_prompts(tok, texts), "tokenizer call": one_call},
+                                    args.blocks, args.block)),
+        ("decode 64 responses", timed({"decode_responses": lambda: decode_responses(tok, responses),
+                                       "batch_decode": lambda: tok.batch_decode(responses, skip_special_tokens=True)},
                                       args.blocks, args.block)),
         ("seed a launch", timed({"seed_sampling": lambda: seed_sampling(cpu, 7),
                                  "torch.manual_seed": lambda: torch.manual_seed(7)}, args.blocks, args.block)),
@@ -239,11 +249,11 @@ def main() -> None:
         ("event of 25 scalars", timed({"built in place": in_place, "built apart": apart}, args.blocks, args.block)),
         ("checksum of 9 kB", timed({"google-crc32c": lambda: fast_masked_crc32c(record),
                                     "TensorBoard's loop": lambda: masked_crc32c(record)}, 4, 5)),
-        ("engine: pad 8 prompts", timed({"left_padded": lambda: padded_as_engine(token_lists, 0),
-                                         "row writes": lambda: padded_by_rows(token_lists, 0)},
-                                        args.blocks, args.block)),
+        ("engine: 8 prompts", timed({"left_padded": lambda: engine_prompts(token_lists, 0),
+                                     "pad_sequence": lambda: engine_prompts_before(token_lists, 0)},
+                                    args.blocks, args.block)),
         ("collate: 8 prompts", timed({"left_padded": lambda: left_padded(prompt_ids, 0),
-                                      "row writes": lambda: group_prompts_by_rows(prompt_ids, 0)},
+                                      "pad_sequence": lambda: padded_by_pad_sequence(prompt_ids, 0)},
                                      args.blocks, args.block)),
         ("zero-variance share", timed({"tied_fraction": lambda: tied_fraction(stats["rewards"].tolist(), G),
                                        "torch": lambda: O.zero_variance_fraction(stats["rewards"], G)},
