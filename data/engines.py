@@ -72,9 +72,9 @@ class RolloutEngine(Protocol):
 def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
     """Mask of real response tokens (up to and including the first EOS) and finish reasons. ``(n, L)``."""
     is_eos = tokens == eos_id  # (n, L)
-    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # (n, L): strictly after the first EOS
+    eos_so_far = is_eos.cumsum(-1)  # (n, L) int64: EOS tokens up to and including t
     reasons = ["stop" if stopped else "length" for stopped in is_eos.any(-1).tolist()]
-    return ~after_eos, reasons
+    return eos_so_far - is_eos.long() == 0, reasons  # no EOS strictly before t
 
 
 def seed_sampling(device: torch.device, seed: int) -> None:

@@ -397,11 +397,12 @@ class GMCModule(pl.LightningModule):
                 "removed_mass": O.removed_mass(log_rho, coefficients, g),  # (B,)
                 "ess": O.group_ess(log_rho, g),  # (B,)
                 "entropy": gather_ragged(entropy.detach()),  # (tokens,)
-                "correction/eps": log_rho.new_tensor(float(self.eps)),
-                # The schedule's bookkeeping (queue depth, drain flag), so callbacks need only this dict.
-                **{f"schedule/{k}": log_rho.new_tensor(float(v)) for k, v in batch.info.items()},
             }
         )
+        # The rule's eps and the schedule's bookkeeping (queue depth, drain flag), so callbacks need only this dict:
+        # 0-dim tensors, made by one call.
+        scalars = {"correction/eps": float(self.eps), **{f"schedule/{k}": float(v) for k, v in batch.info.items()}}
+        stats.update(zip(scalars, log_rho.new_tensor(list(scalars.values())).unbind(), strict=True))
         # Engine/trainer mismatch |l - log pi_theta_s|, measurable where the behaviour version is the current one.
         on_policy = delays == 0  # (n,)
         gap, mask = batch.behavior_logprobs - logprobs, batch.response_mask  # (n, L) each
