@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
 
 from lit_gmc.data.tokens import _exact_backend, decode_responses, encode_prompts
 
@@ -25,6 +26,13 @@ def byte_level_bpe(**options) -> PreTrainedTokenizerFast:
     core.train_from_iterator(TEXTS * 20 + ["the answer is 42", "then simplify the fraction"], trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=specials[1:], **options)  # fmt: skip
+
+
+def qwen2_tokenizer() -> Qwen2Tokenizer:
+    """transformers' ``Qwen2Tokenizer`` (Qwen3's) on the vocabulary and merges of :func:`byte_level_bpe`."""
+    model = json.loads(byte_level_bpe().backend_tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return Qwen2Tokenizer(vocab=model["vocab"], merges=merges, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
 
 
 def word_piece_with_space_clean_up() -> PreTrainedTokenizerFast:
@@ -53,16 +61,17 @@ def assert_same_as_the_tokenizer(tokenizer) -> None:
     assert decode_responses(tokenizer, rows) == tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("build", ["char", "byte_level_bpe"])
+@pytest.mark.parametrize("build", ["char", "byte_level_bpe", "qwen2"])
 def test_the_backend_path_is_taken_and_gives_the_tokenizer_s_ids_and_texts(build, char_tokenizer):
-    tokenizer = char_tokenizer if build == "char" else byte_level_bpe()
+    tokenizer = {"char": lambda: char_tokenizer, "byte_level_bpe": byte_level_bpe, "qwen2": qwen2_tokenizer}[build]()
     assert _exact_backend(tokenizer, decoding=False) is tokenizer.backend_tokenizer
     assert _exact_backend(tokenizer, decoding=True) is tokenizer.backend_tokenizer
     assert_same_as_the_tokenizer(tokenizer)
 
 
-def test_special_tokens_in_a_prompt_are_encoded_as_such_and_skipped_when_decoded():
-    tokenizer = byte_level_bpe()
+@pytest.mark.parametrize("build", [byte_level_bpe, qwen2_tokenizer])
+def test_special_tokens_in_a_prompt_are_encoded_as_such_and_skipped_when_decoded(build):
+    tokenizer = build()
     (ids,) = encode_prompts(tokenizer, ["<|im_start|>hi"])
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert decode_responses(tokenizer, [ids + [tokenizer.eos_token_id]]) == ["hi"]
