@@ -77,7 +77,7 @@ class DelayAccounting(pl.Callback):
         for logger in trainer.loggers:
             add_histogram = getattr(getattr(logger, "experiment", None), "add_histogram", None)
             if add_histogram is not None:
-                add_histogram("delay/histogram", delays.double().float().flatten(), global_step=step)
+                add_histogram("delay/histogram", delays.float().flatten(), global_step=step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -323,7 +323,7 @@ class GMCModule(pl.LightningModule):
             stop = min(start + per_pass, batch.num_groups)
             # One pass (the tiny default): the batch itself rather than a copy of it sliced tensor by tensor.
             part = batch.groups_slice(start, stop) if len(starts) > 1 else batch
-            part_delays = delays[start * batch.group_size : stop * batch.group_size] if len(starts) > 1 else delays
+            part_delays = delays[start * batch.group_size : stop * batch.group_size]  # (n_part,), a view
             loss, out, entropy, current = self.micro_batch_loss(batch, part, part_delays)
             # DDP: gradients are all-reduced once, with the last micro-batch (FSDP2 reduce-scatters each one, which
             # keeps its gradients sharded between micro-batches).
