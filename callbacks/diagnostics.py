@@ -100,6 +100,7 @@ def correlations(xs: Sequence[Tensor | list[float]], y: Tensor | list[float]) ->
     """:func:`pearson` of each of ``xs`` with one ``y`` (tensors, or their values as lists), computed on floats."""
     y_values = as_values(y)
     y_finite = all(map(math.isfinite, y_values))
+    y_whole: tuple[list[float], float] | None = None  # y's deviations and their sum of squares over every pair
     out: list[float | None] = []
     for x in xs:
         xk, yk = as_values(x), y_values
@@ -111,13 +112,26 @@ def correlations(xs: Sequence[Tensor | list[float]], y: Tensor | list[float]) ->
         if len(xk) < 2:
             out.append(None)
             continue
-        x_mean, y_mean = exact_mean(xk), exact_mean(yk)
-        dx, dy = [a - x_mean for a in xk], [b - y_mean for b in yk]
-        sxx, syy = math.fsum([a * a for a in dx]), math.fsum([b * b for b in dy])
+        dx, sxx = deviations(xk)
+        if sxx == 0:  # x is constant: undefined whatever y is
+            out.append(None)
+            continue
+        if yk is not y_values:
+            dy, syy = deviations(yk)
+        else:  # every pair kept: y's side is the same for each x
+            y_whole = y_whole or deviations(y_values)
+            dy, syy = y_whole
         sxy = math.fsum([a * b for a, b in zip(dx, dy, strict=True)])
         denominator = math.sqrt(sxx * syy)
         out.append(sxy / denominator if denominator > 0 else None)
     return out
+
+
+def deviations(values: Sequence[float]) -> tuple[list[float], float]:
+    """Each value less their mean (:func:`exact_mean`), and the correctly rounded sum of their squares."""
+    mean = exact_mean(values)
+    centred = [v - mean for v in values]
+    return centred, math.fsum([d * d for d in centred])
 
 
 def as_values(values: Tensor | list[float]) -> list[float]:
@@ -170,7 +184,9 @@ def tied_fraction(rewards: Sequence[float], group_size: int) -> float:
     starts = range(0, len(rewards), group_size)
     if not starts:
         return math.nan  # the mean over no groups
-    tied = sum(all(r == rewards[s] for r in rewards[s : s + group_size]) for s in starts)
+    # list.count counts an object as equal to itself, NaN included: hence the separate test of the first reward.
+    groups = (rewards[s : s + group_size] for s in starts)
+    tied = sum(g[0] == g[0] and g.count(g[0]) == len(g) for g in groups)
     return array("f", [tied / len(starts)])[0]
 
 

@@ -24,6 +24,8 @@ from lit_gmc.data.engine_process import EngineProcess, copy_weights
 from lit_gmc.data.tasks import Prompt
 from lit_gmc.data.tokens import encode_prompts
 
+SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring the sampled tokens
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -75,6 +77,23 @@ def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
     eos_so_far = is_eos.cumsum(-1)  # (n, L) int64: EOS tokens up to and including t
     reasons = ["stop" if stopped else "length" for stopped in is_eos.any(-1).tolist()]
     return eos_so_far - is_eos.long() == 0, reasons  # no EOS strictly before t
+
+
+def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int = SCORE_CHUNK_BYTES) -> Tensor:
+    """Log-probs ``(rows, L)`` of the sampled ``tokens`` under ``generate``'s ``scores`` (one ``(rows, V)`` a position).
+
+    The scores are the processed logits the sampler drew from (temperature, top-p; -inf where filtered). Positions
+    are reduced a chunk at a time, as many as fit in ``chunk_bytes`` of float32 logits (at least one): a whole
+    ``(rows, L, V)`` copy at real vocabulary sizes would be gigabytes, while at the tiny job's one chunk takes three
+    calls instead of three per position. Every chunk size gives the same values (each row is normalised alone).
+    """
+    rows, vocab = scores[0].shape
+    per_chunk = max(1, chunk_bytes // (4 * rows * vocab))
+    parts = [
+        torch.stack(scores[t : t + per_chunk], 1).float().log_softmax(-1).gather(-1, tokens[:, t : t + per_chunk, None])
+        for t in range(0, len(scores), per_chunk)
+    ]  # (rows, chunk, 1) each
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, 1))[..., 0]
 
 
 def seed_sampling(device: torch.device, seed: int) -> None:
@@ -219,11 +238,7 @@ class HFEngine(RolloutEngine):
             )
             version = self._version
         tokens = out.sequences[:, width:]  # (rows, L)
-        # Scores are the processed logits the sampler drew from (temperature, top-p), -inf where filtered; one
-        # (rows, V) tensor per position, reduced one at a time so no (rows, L, V) copy is ever made.
-        logprobs = torch.stack(
-            [torch.log_softmax(s.float(), -1).gather(-1, tokens[:, t, None])[:, 0] for t, s in enumerate(out.scores)], 1
-        )  # (rows, L)
+        logprobs = sampled_logprobs(out.scores, tokens)  # (rows, L)
         tokens, logprobs = tokens.cpu(), logprobs.cpu()
         if greedy:  # one decode per prompt, copied to its n rows
             tokens, logprobs = tokens.repeat_interleave(n, 0), logprobs.repeat_interleave(n, 0)  # (len(prompts) * n, L)

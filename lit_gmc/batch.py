@@ -62,9 +62,11 @@ class RolloutGroup:
         """``(G,)`` number of real response tokens per response."""
         return self.response_mask.sum(-1)
 
-    def with_rewards(self, rewards: Sequence[float], **changes: Any) -> RolloutGroup:
+    def with_rewards(self, rewards: Sequence[float] | Tensor, **changes: Any) -> RolloutGroup:
         """A copy of the group with ``rewards`` set (as a float32 tensor) and any other ``changes`` of fields."""
-        return replace(self, rewards=torch.as_tensor(rewards, dtype=torch.float32), **changes)
+        if not isinstance(rewards, Tensor):  # through numpy: torch's own list conversion takes ~4x as long
+            rewards = torch.from_numpy(np.array(rewards, dtype=np.float32))
+        return replace(self, rewards=rewards.to(torch.float32), **changes)
 
 
 @dataclass
@@ -207,10 +209,10 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
         response_mask=response_mask,  # (N, L)
         behavior_logprobs=behavior.masked_fill(~response_mask, 0.0),  # (N, L)
         rewards=torch.cat([g.rewards.float() for g in groups]),  # (N,)
-        versions=torch.tensor([g.version for g in groups], dtype=torch.long),  # (B,)
+        versions=torch.from_numpy(np.array([g.version for g in groups], dtype=np.int64)),  # (B,)
         prompt_width=width_p,
         group_size=size,
-        batch_ids=torch.tensor([g.batch_id for g in groups], dtype=torch.long),
-        prompt_ids=torch.tensor([g.prompt_id for g in groups], dtype=torch.long),
+        batch_ids=torch.from_numpy(np.array([g.batch_id for g in groups], dtype=np.int64)),  # (B,)
+        prompt_ids=torch.from_numpy(np.array([g.prompt_id for g in groups], dtype=np.int64)),  # (B,)
         info=dict(info or {}),
     )

@@ -192,6 +192,16 @@ class GMCModule(pl.LightningModule):
             self.actor.gradient_checkpointing_enable()
 
     @override
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets `_current_fx_name` before and after every hook it calls, ~30 times an update. nn.Module's
+        # __setattr__ first checks each value against parameters, buffers and submodules (two metaclass isinstance
+        # checks, ~2 us); a hook's name is none of them, so it is stored directly, where nn.Module would store it.
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @override
     def configure_model(self) -> None:
         """Under FSDP2 (:class:`~lit_gmc.strategies.FSDP2Strategy`), shard the actor over the data-parallel mesh.
 

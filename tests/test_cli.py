@@ -298,6 +298,23 @@ def test_the_default_profiler_enters_no_generator_and_a_configured_one_is_kept(t
     assert type(chosen) is SimpleProfiler
 
 
+def test_the_learner_stores_lightnings_hook_name_as_nn_module_would():
+    import torch
+
+    module = GMCModule(actor="tiny")
+    registered = (dict(module._parameters), dict(module._buffers), dict(module._modules))
+    module._current_fx_name = "on_train_batch_end"  # what Lightning sets around every hook call
+    assert module._current_fx_name == module.__dict__["_current_fx_name"] == "on_train_batch_end"
+    assert (dict(module._parameters), dict(module._buffers), dict(module._modules)) == registered
+    module._current_fx_name = None
+    assert module._current_fx_name is None
+    # Every other name still takes nn.Module's path: a submodule and a parameter are registered, not stored plainly.
+    module.probe = torch.nn.Linear(1, 1)
+    module.scale = torch.nn.Parameter(torch.ones(()))
+    assert "probe" in module._modules and "scale" in module._parameters
+    assert "probe" not in module.__dict__ and "scale" not in module.__dict__
+
+
 def test_the_default_bar_updates_at_its_refresh_rate_and_at_the_last_batch(tmp_path, monkeypatch):
     """The count and metrics are drawn twice a second: the bar updates them as often, and always at the end."""
     import itertools

@@ -190,6 +190,13 @@ def test_pearson_matches_numpy_and_is_none_when_undefined():
     assert pearson(torch.tensor([1.0]), torch.tensor([2.0])) is None
     with_inf = torch.cat([x, torch.tensor([math.inf])])
     assert pearson(with_inf, torch.cat([y, torch.tensor([0.0])])) == pytest.approx(pearson(x, y))
+    # Several xs against one y (y's side is computed once where every pair is kept): each as its own pearson.
+    from lit_gmc.callbacks.diagnostics import correlations
+
+    x2 = torch.randn(50, generator=gen)
+    x2[7] = math.nan
+    xs = [x, x2, torch.full((50,), 2.0), 3 * x - 1]
+    assert correlations(xs, y) == [pearson(x, y), pearson(x2, y), None, pearson(3 * x - 1, y)]
 
 
 def test_tied_fraction_is_zero_variance_fraction_on_the_values():
@@ -207,6 +214,7 @@ def test_tied_fraction_is_zero_variance_fraction_on_the_values():
             values = rewards.to(dtype)
             assert tied_fraction(values.tolist(), group_size) == zero_variance_fraction(values, group_size)
     assert math.isnan(tied_fraction([], 4))
+    assert tied_fraction([math.nan] * 4 + [0.5] * 4, 4) == 0.5  # one NaN object four times still does not tie
 
 
 def test_zero_variance_fraction_by_hand():

@@ -114,3 +114,31 @@ def test_engine_batches_large_requests_without_changing_groups(tiny_model, char_
     assert [g.prompt_id for g in groups] == [0, 1, 2]
     batch, lp = learner_logprobs(tiny_model, groups, char_tokenizer.pad_token_id)
     torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask], lp[batch.response_mask], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [46, 5000])
+def test_sampled_logprobs_are_the_same_for_every_chunk_of_positions(vocab):
+    """Each position's log-softmax of the processed scores (-inf where top-p filtered) at the sampled token, whether
+    the positions are reduced one at a time, a few at a time or all at once."""
+    from lit_gmc.data.engines import sampled_logprobs
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows, length = 12, 7
+    scores = [torch.randn(rows, vocab, generator=gen) * 3 for _ in range(length)]
+    for s in scores:
+        s[torch.rand(rows, vocab, generator=gen) < 0.4] = -torch.inf
+        s[:, 1] = 0.0  # every row keeps a token
+    tokens = torch.randint(0, vocab, (rows, length), generator=gen)
+    tokens[0] = 1
+    rows_index = torch.arange(rows)
+    want = torch.stack([s.double().log_softmax(-1)[rows_index, tokens[:, t]] for t, s in enumerate(scores)], 1)
+    one_by_one = torch.stack(
+        [torch.log_softmax(s, -1).gather(-1, tokens[:, t, None])[:, 0] for t, s in enumerate(scores)], 1
+    )  # (rows, L)
+    position_bytes = 4 * rows * vocab
+    for chunk_bytes in (1, position_bytes, 3 * position_bytes, 10**9):
+        got = sampled_logprobs(scores, tokens, chunk_bytes)
+        assert got.shape == (rows, length) and got.dtype == torch.float32
+        assert torch.equal(got, one_by_one), chunk_bytes
+    torch.testing.assert_close(one_by_one.double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(one_by_one).any() and torch.isfinite(one_by_one[0]).all()
