@@ -23,7 +23,10 @@ window holds the freeing of its own (phase ``release``; before the fourth round 
 left ~0.25 ms an update out of the bare side).
 Each ``fit`` gives the median of the per-update ratios lit_gmc / bare (and the median seconds of each); the script
 prints the median over ``--reps`` fits. Times are process CPU time by default (``--clock cpu``: steadier than wall
-time when other processes share the cores) and wall time alongside.
+time when other processes share the cores) and wall time alongside. Single updates' ratios scatter widely (on the
+2-core machine of ``docs/performance.md`` half of them fall outside ~0.97-1.10), so a fit's median over its 34
+steady updates at ``--steps 40`` is only good to ~1.5%, and fits differ by about that much; to resolve changes of
+under 1%, run longer fits (``--steps 200``) and profile only a few of them (``--phase-reps``).
 
 The per-phase breakdown comes from separate, instrumented fits: wrappers installed around library functions (no
 library code changes; ~75 wrapped calls an update) charge each phase with its own time, less that of the wrapped
@@ -31,9 +34,9 @@ calls nested in it, and "Lightning loop" is what no wrapper saw. Phases are mean
 up to the mean update) and medians over repetitions. The wrappers slow an instrumented fit down by a few per cent
 (the script prints both fits' ratios), so read the small phases as upper bounds.
 
-    python scripts/bench_step.py [--reps 5] [--steps 40] [--warmup 5] [--schedule Sync|FixedDelay] [--delay 8]
-                                 [--clock cpu|wall] [--compare-logger] [--fit-args "..."] [--json out.json]
-                                 [--plot [PNG]]
+    python scripts/bench_step.py [--reps 5] [--phase-reps N] [--steps 40] [--warmup 5] [--schedule Sync|FixedDelay]
+                                 [--delay 8] [--clock cpu|wall] [--compare-logger] [--fit-args "..."]
+                                 [--json out.json] [--plot [PNG]]
 """
 
 from __future__ import annotations
@@ -366,6 +369,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--reps", type=int, default=5, help="fits of each lit_gmc variant, alternated (each also profiled once)")
+    add("--phase-reps", type=int, help="profile only the first this many repetitions (default: all); a "
+        "profiled fit takes as long as a timed one, so this leaves time for more, longer timed fits")  # fmt: skip
     add("--steps", type=int, default=40, help="updates per fit")
     add("--warmup", type=int, default=5, help="first updates of each fit left out")
     add("--schedule", choices=["Sync", "FixedDelay"], default="Sync")
@@ -377,7 +382,10 @@ def parse_args() -> argparse.Namespace:
     add("--json", type=Path, help="write the figures here")
     add("--plot", nargs="?", const=Path("docs/figures/performance_phases.png"), type=Path,
         help="save a bar chart of ms/update per phase (default docs/figures/performance_phases.png)")  # fmt: skip
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.phase_reps is not None and args.phase_reps < 1:
+        parser.error(f"--phase-reps={args.phase_reps}: the phase tables need at least one profiled fit")
+    return args
 
 
 def main() -> None:
@@ -399,7 +407,8 @@ def main() -> None:
         for rep in range(args.reps):
             for name in variants:
                 logger = f"{__name__}.FlushEveryCallLogger" if name == "lit_flush" else None
-                for instrument in (False, True):
+                profiled = args.phase_reps is None or rep < args.phase_reps
+                for instrument in (False, True)[: 1 + profiled]:
                     workdir = Path(tmp) / f"{name}{rep}{'_phases' * instrument}"
                     windows, bare = lit_run(args.steps, schedule, workdir, clock, instrument, logger, fit_args)
                     both, kind = paired(windows, bare, keep), "_phases" if instrument else ""
