@@ -1,4 +1,4 @@
-"""Micro-benchmark of the per-update parts changed in the third to sixth rounds of issue 14, against what
+"""Micro-benchmark of the per-update parts changed in the third to seventh rounds of issue 14, against what
 they replaced.
 
 Each pair runs in alternating blocks of calls (process CPU time, one torch thread; medians over blocks), and the
@@ -36,12 +36,25 @@ Sixth round:
   ``HFEngine`` (with the per-prompt tensors: through numpy now, ``torch.tensor`` before) and in
   ``collate_groups``: the same tensors. (These replace the fifth round's two padding pairs.)
 
+Seventh round:
+
+- ``HFEngine``'s behaviour log-probs of a launch (64 rows, 6 positions, the tiny vocabulary) by
+  :func:`sampled_logprobs` (the positions in one chunk) against one log-softmax and gather per position (the sixth
+  round's loop, restated here): the same tensor;
+- a launch's 8 scored groups by ``RolloutGroup.with_rewards`` (rewards through numpy) against the sixth round's
+  ``torch.as_tensor`` (restated here): the same groups;
+- Lightning's hook name set on the learner 30 times (an update's worth): ``GMCModule``'s ``__setattr__`` against
+  ``nn.Module``'s;
+- ``Diagnostics``' two correlations with the response length under a fixed delay (:func:`correlations`: y's side
+  once, the constant delay skipped) against the sixth round's (restated here): the same values.
+
     python scripts/bench_parts.py [--blocks 40] [--block 50]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -59,14 +72,15 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
-from lit_gmc.batch import left_padded
-from lit_gmc.callbacks.diagnostics import step_scalars, tied_fraction
+from lit_gmc.batch import RolloutGroup, left_padded
+from lit_gmc.callbacks.diagnostics import as_values, correlations, exact_mean, step_scalars, tied_fraction
 from lit_gmc.cli import NoProfiler
-from lit_gmc.data.engines import seed_sampling
+from lit_gmc.data.engines import sampled_logprobs, seed_sampling
 from lit_gmc.data.tasks import Addition, PromptStream
 from lit_gmc.data.tokens import decode_responses, encode_prompts
 from lit_gmc.delays import RunningDelayMoments
 from lit_gmc.loggers import WriteThroughSummaryWriter, fast_masked_crc32c
+from lit_gmc.module import GMCModule
 
 B, G = 8, 8  # configs/tiny.yaml
 
@@ -129,6 +143,53 @@ def engine_prompts(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Ten
     """The same as ``HFEngine`` builds them now: :func:`left_padded` on the lists, each prompt through numpy."""
     input_ids, mask = left_padded(token_lists, pad_id)
     return input_ids, mask.long(), *(torch.from_numpy(np.array(ids, dtype=np.int64)) for ids in token_lists)
+
+
+def logprobs_by_position(scores: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """``HFEngine``'s behaviour log-probs in the sixth round: one log-softmax and gather per position, stacked."""
+    return torch.stack(
+        [torch.log_softmax(s.float(), -1).gather(-1, tokens[:, t, None])[:, 0] for t, s in enumerate(scores)], 1
+    )
+
+
+def with_rewards_before(group: RolloutGroup, rewards: list[float], **changes) -> RolloutGroup:
+    """``RolloutGroup.with_rewards`` in the sixth round: ``torch.as_tensor`` of the list."""
+    return dataclasses.replace(group, rewards=torch.as_tensor(rewards, dtype=torch.float32), **changes)
+
+
+def correlations_before(xs: list[torch.Tensor], y: torch.Tensor) -> list[float | None]:
+    """``Diagnostics``' correlations in the sixth round: y's deviations again for each x, a constant x included."""
+    y_values = as_values(y)
+    y_finite = all(map(math.isfinite, y_values))
+    out: list[float | None] = []
+    for x in xs:
+        xk, yk = as_values(x), y_values
+        if not (y_finite and all(map(math.isfinite, xk))):
+            kept = [(a, b) for a, b in zip(xk, yk, strict=True) if math.isfinite(a) and math.isfinite(b)]
+            xk, yk = [a for a, _ in kept], [b for _, b in kept]
+        if len(xk) < 2:
+            out.append(None)
+            continue
+        x_mean, y_mean = exact_mean(xk), exact_mean(yk)
+        dx, dy = [a - x_mean for a in xk], [b - y_mean for b in yk]
+        sxx, syy = math.fsum([a * a for a in dx]), math.fsum([b * b for b in dy])
+        sxy = math.fsum([a * b for a, b in zip(dx, dy, strict=True)])
+        denominator = math.sqrt(sxx * syy)
+        out.append(sxy / denominator if denominator > 0 else None)
+    return out
+
+
+def launch_groups(seed: int) -> list[RolloutGroup]:
+    """A launch of the tiny job's shape: 8 groups of 8 responses of 6 tokens, rewards still unset."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        RolloutGroup(prompt_id=b, prompt="1+2=", answer="3", prompt_ids=torch.tensor([5, 6, 7, 8]),
+                     response_ids=torch.randint(3, 30, (G, 6), generator=gen),
+                     response_mask=torch.ones(G, 6, dtype=torch.bool),
+                     behavior_logprobs=-torch.rand(G, 6, generator=gen), finish_reasons=["length"] * G,
+                     rewards=torch.zeros(G), version=0)
+        for b in range(B)
+    ]  # fmt: skip
 
 
 def tiny_stats(seed: int) -> dict[str, torch.Tensor]:
@@ -229,6 +290,41 @@ def main() -> None:
             raise SystemExit(f"tied_fraction differs from zero_variance_fraction on seed {seed}")
     stock, quiet = PassThroughProfiler(), NoProfiler()
 
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.randn(B * G, len(tok), generator=gen) for _ in range(6)]  # a launch: 64 rows, 6 positions
+    sampled = torch.randint(0, len(tok), (B * G, 6), generator=gen)
+    if not torch.equal(sampled_logprobs(scores, sampled), logprobs_by_position(scores, sampled)):
+        raise SystemExit("sampled_logprobs differs from the per-position loop")
+    groups, rewards = launch_groups(0), [[float((b + i) % 2) for i in range(G)] for b in range(B)]
+
+    def score_now() -> list[RolloutGroup]:
+        return [g.with_rewards(r, batch_id=3) for g, r in zip(groups, rewards, strict=True)]
+
+    def score_before() -> list[RolloutGroup]:
+        return [with_rewards_before(g, r, batch_id=3) for g, r in zip(groups, rewards, strict=True)]
+
+    for now, before in zip(score_now(), score_before(), strict=True):
+        if not (torch.equal(now.rewards, before.rewards) and now.rewards.dtype == before.rewards.dtype
+                and now.batch_id == before.batch_id):  # fmt: skip
+            raise SystemExit("with_rewards differs from torch.as_tensor's rewards")
+    learner = GMCModule(actor="tiny")
+
+    def set_ours() -> None:
+        for _ in range(30):
+            learner._current_fx_name = "on_train_batch_end"
+
+    def set_module() -> None:
+        for _ in range(30):
+            torch.nn.Module.__setattr__(learner, "_current_fx_name", "on_train_batch_end")
+
+    for seed in range(300):  # a constant delay (fixed-delay schedule) on even seeds, varied delays on odd ones
+        drawn = tiny_stats(seed)
+        delays_x = drawn["delays"] if seed % 2 else torch.full((B * G,), 8)
+        xs, y = [drawn["log_rho"], delays_x], drawn["response_lengths"]
+        if correlations(xs, y) != correlations_before(xs, y):
+            raise SystemExit(f"correlations differ from the sixth round's on seed {seed}")
+    xs_fixed = [stats["log_rho"], torch.full((B * G,), 8)]  # the default schedule delays every row by 8
+
     def hook_in(profiler) -> None:
         with profiler.profile("[Callback]Diagnostics.on_train_batch_end"):
             pass
@@ -261,6 +357,15 @@ def main() -> None:
         ("profiler, 95 hooks", timed({"NoProfiler": lambda: [hook_in(quiet) for _ in range(95)],
                                       "PassThrough": lambda: [hook_in(stock) for _ in range(95)]},
                                      args.blocks, args.block // 5)),
+        ("sampled log-probs", timed({"sampled_logprobs": lambda: sampled_logprobs(scores, sampled),
+                                     "per position": lambda: logprobs_by_position(scores, sampled)},
+                                    args.blocks, args.block)),
+        ("rewards of 8 groups", timed({"through numpy": score_now, "torch.as_tensor": score_before},
+                                      args.blocks, args.block)),
+        ("hook name, 30 sets", timed({"GMCModule": set_ours, "nn.Module": set_module}, args.blocks, args.block)),
+        ("correlations", timed({"correlations": lambda: correlations(xs_fixed, stats["response_lengths"]),
+                                "sixth round": lambda: correlations_before(xs_fixed, stats["response_lengths"])},
+                               args.blocks, args.block)),
     ]  # fmt: skip
     print("same results checked; process CPU us per call (median of alternated blocks)")
     for label, figures in rows:

@@ -23,10 +23,10 @@ window holds the freeing of its own (phase ``release``; before the fourth round 
 left ~0.25 ms an update out of the bare side).
 Each ``fit`` gives the median of the per-update ratios lit_gmc / bare (and the median seconds of each); the script
 prints the median over ``--reps`` fits. Times are process CPU time by default (``--clock cpu``: steadier than wall
-time when other processes share the cores) and wall time alongside. Single updates' ratios scatter widely (on the
-2-core machine of ``docs/performance.md`` half of them fall outside ~0.97-1.10), so a fit's median over its 34
-steady updates at ``--steps 40`` is only good to ~1.5%, and fits differ by about that much; to resolve changes of
-under 1%, run longer fits (``--steps 200``) and profile only a few of them (``--phase-reps``).
+time when other processes share the cores) and wall time alongside. Single updates' ratios scatter by several per
+cent, so at ``--steps 40`` (34 steady updates) the fits of one run spread over ~0.99-1.07 on the 2-core machine of
+``docs/performance.md``, and at ``--steps 200`` over ~0.01-0.03; to resolve changes of under 1%, run longer fits
+and profile only a few of them (``--phase-reps``).
 
 The per-phase breakdown comes from separate, instrumented fits: wrappers installed around library functions (no
 library code changes; ~75 wrapped calls an update) charge each phase with its own time, less that of the wrapped
