@@ -84,8 +84,8 @@ def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int 
 
     The scores are the processed logits the sampler drew from (temperature, top-p; -inf where filtered). Positions
     are reduced a chunk at a time, as many as fit in ``chunk_bytes`` of float32 logits (at least one): a whole
-    ``(rows, L, V)`` copy at real vocabulary sizes would be gigabytes, while at the tiny job's one chunk takes three
-    calls instead of three per position. Every chunk size gives the same values (each row is normalised alone).
+    ``(rows, L, V)`` copy at real vocabulary sizes would be gigabytes, while at the tiny job's sizes one chunk takes
+    three calls instead of three per position. Every chunk size gives the same values (each row is normalised alone).
     """
     rows, vocab = scores[0].shape
     per_chunk = max(1, chunk_bytes // (4 * rows * vocab))
