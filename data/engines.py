@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lit_gmc.batch import RolloutGroup, left_padded
+from lit_gmc.batch import RolloutGroup, left_padded, small_tensor
 from lit_gmc.data.components import check_options
 from lit_gmc.data.engine_process import EngineProcess, copy_weights
 from lit_gmc.data.tasks import Prompt
@@ -216,8 +216,7 @@ class HFEngine(RolloutEngine):
             token_lists = encode_prompts(tok, [p.text for p in prompts])
         input_ids, attention = left_padded(token_lists, tok.pad_token_id)  # (B, P) each
         width = input_ids.shape[1]
-        # Each group's own tensor of its prompt's ids, through numpy: torch.tensor(list) takes ~3x as long.
-        prompt_ids = [torch.from_numpy(np.array(ids, dtype=np.int64)) for ids in token_lists]
+        prompt_ids = [small_tensor(ids, np.int64) for ids in token_lists]  # each group's own tensor
         device = next(self.model.parameters()).device
         greedy = sampling.temperature == 0
         kwargs = {"do_sample": False} if greedy else {

@@ -72,7 +72,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
-from lit_gmc.batch import RolloutGroup, left_padded
+from lit_gmc.batch import RolloutGroup, left_padded, small_tensor
 from lit_gmc.callbacks.diagnostics import as_values, correlations, exact_mean, step_scalars, tied_fraction
 from lit_gmc.cli import NoProfiler
 from lit_gmc.data.engines import sampled_logprobs, seed_sampling
@@ -142,7 +142,7 @@ def engine_prompts_before(token_lists: list[list[int]], pad_id: int) -> tuple[to
 def engine_prompts(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
     """The same as ``HFEngine`` builds them now: :func:`left_padded` on the lists, each prompt through numpy."""
     input_ids, mask = left_padded(token_lists, pad_id)
-    return input_ids, mask.long(), *(torch.from_numpy(np.array(ids, dtype=np.int64)) for ids in token_lists)
+    return input_ids, mask.long(), *(small_tensor(ids, np.int64) for ids in token_lists)
 
 
 def logprobs_by_position(scores: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

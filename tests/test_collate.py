@@ -67,3 +67,16 @@ def test_collate_refuses_mixed_group_sizes_and_nothing():
         collate_groups([random_group(rng, 0, 2, 3), random_group(rng, 1, 3, 3)], PAD)
     with pytest.raises(ValueError, match="at least one group"):
         collate_groups([], PAD)
+
+
+def test_small_tensor_gives_torch_tensors_values_and_dtype():
+    import numpy as np
+
+    from lit_gmc.batch import small_tensor
+
+    floats = [0.1, 1 / 3, 1e-40, -2.5, 1.0, 0.0, 3.4e38, True]  # float32 rounding, a subnormal, a bool
+    for values, np_dtype, dtype in [(floats, np.float32, torch.float32), ([0, -3, 2**40, 7], np.int64, torch.long)]:
+        got, want = small_tensor(values, np_dtype), torch.tensor(values, dtype=dtype)
+        assert got.dtype == want.dtype and got.shape == (len(values),)
+        assert torch.equal(got, want)
+    assert small_tensor([], np.int64).shape == (0,)
