@@ -16,14 +16,12 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lit_gmc.actor import load_actor, resolve_actor_path
@@ -35,10 +33,6 @@ from lit_gmc.data.schedules import Batch, DelaySchedule
 from lit_gmc.data.tasks import Prompt, PromptStream, Task
 from lit_gmc.data.tokens import decode_responses
 from lit_gmc.distributed import rank_and_world, scatter_from_first
-
-# Lightning warns that a sized IterableDataset may over-count under several loader workers; ours is read in the
-# main process only (num_workers=0), and its length is what turns Lightning's batch prefetch off.
-warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined", category=UserWarning)
 
 
 def checked_rewards(rewards: Sequence[float], group_size: int, scorer: Callable, prompt_id: int) -> list[float]:
@@ -64,14 +58,22 @@ def checked_rewards(rewards: Sequence[float], group_size: int, scorer: Callable,
     return values
 
 
-class _RolloutStream(IterableDataset):
-    """One epoch = the whole run: yields the schedule's batches until it is exhausted.
+class RolloutStream:
+    """The training loader: the schedule's batches, one per update, until the schedule is exhausted.
+
+    A plain iterable rather than a ``DataLoader`` (Lightning takes any iterable): the DataModule makes each batch
+    in this process, whole, so a loader would add no workers, sampler or collation, only ~10 us an update of its
+    own machinery (and, for a sized ``IterableDataset``, a warning about worker over-counting).
 
     It has a length on purpose: Lightning skips its one-batch prefetch for sized loaders, and that prefetch
     would generate batch ``n + 1`` before the weights of update ``n`` are published, silently adding one to
     every delay. The length is the whole run's, also after a resume: Lightning then restores ``batch_idx``
     to the step reached and ends the epoch at ``total_updates``, while the iterator (driven by the restored
     schedule) yields only the updates still to come.
+
+    ``state_dict`` makes Lightning treat it as resumable (no "dataloader is not resumable" warning on restart);
+    the position lives in the DataModule's ``state_dict``, which every checkpoint holds, so the stream itself has
+    nothing to save.
     """
 
     def __init__(self, datamodule: RolloutDataModule) -> None:
@@ -84,19 +86,12 @@ class _RolloutStream(IterableDataset):
         while (share := self.dm.next_share()) is not None:
             yield share
 
-
-class _RolloutLoader(DataLoader):
-    """A loader Lightning treats as resumable (no "dataloader is not resumable" warning on restart).
-
-    The position lives in the DataModule's ``state_dict``, which every checkpoint holds, so the loader itself
-    has nothing to save.
-    """
-
     def state_dict(self) -> dict[str, Any]:
+        """Nothing: the DataModule's ``state_dict`` holds the position."""
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
+        """Nothing to restore (see :meth:`state_dict`)."""
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -276,8 +271,8 @@ class RolloutDataModule(pl.LightningDataModule):
             self._apply_staged_weights()  # the engine ends on the newest published version
 
     @override
-    def train_dataloader(self) -> DataLoader:
-        return _RolloutLoader(_RolloutStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
+    def train_dataloader(self) -> RolloutStream:
+        return RolloutStream(self)
 
     def produce(self, count: int, prompts: int | None = None) -> list[Batch]:
         """``count`` launches of ``prompts`` (default B) scored groups each, from the engine's current weights.

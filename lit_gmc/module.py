@@ -346,12 +346,13 @@ class GMCModule(pl.LightningModule):
             logprobs.append(current)
         stats = self.collect_stats(batch, delays, outputs, joined(entropies), joined(logprobs))
         step, lr = self.global_step, optimizer.param_groups[0]["lr"]
-        loss = sum_across(torch.stack(losses).sum())
-        if not torch.isfinite(loss):
+        loss = sum_across(losses[0] if len(losses) == 1 else torch.stack(losses).sum())  # one pass: its loss as is
+        # Checked as Python floats: a 0-dim torch.isfinite costs ~10 us, float() ~0.3 (the same sync on a GPU).
+        if not math.isfinite(float(loss)):
             raise FloatingPointError(f"update {step}: the loss is {float(loss)}; the weights were not changed")
         logged = self.step_rule.before_step(list(self.actor.parameters()), optimizer, stats) if self.step_rule else {}
         grad_norm = self.clip_and_measure()
-        if not torch.isfinite(grad_norm):  # the same total on every rank, so every rank stops here
+        if not math.isfinite(float(grad_norm)):  # the same total on every rank, so every rank stops here
             raise FloatingPointError(
                 f"update {step}: the gradient norm is {float(grad_norm)}{self._first_non_finite_grad()}; "
                 "the weights were not changed"
