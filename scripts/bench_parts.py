@@ -1,4 +1,4 @@
-"""Micro-benchmark of the per-update parts changed in the third to seventh rounds of issue 14, against what
+"""Micro-benchmark of the per-update parts changed in the third to eighth rounds of issue 14, against what
 they replaced.
 
 Each pair runs in alternating blocks of calls (process CPU time, one torch thread; medians over blocks), and the
@@ -48,6 +48,14 @@ Seventh round:
 - ``Diagnostics``' two correlations with the response length under a fixed delay (:func:`correlations`: y's side
   once, the constant delay skipped) against the sixth round's (restated here): the same values.
 
+Eighth round:
+
+- the next batch from the training loader: :class:`RolloutStream` (a plain iterable) against the seventh round's
+  ``DataLoader`` over an ``IterableDataset`` (restated here), both over a stand-in DataModule that hands out one
+  prepared batch: the same object;
+- the learner's two finiteness checks (loss and gradient norm, 0-dim tensors): ``math.isfinite`` of their floats
+  against ``torch.isfinite``: the same verdicts, on finite, infinite and NaN values.
+
     python scripts/bench_parts.py [--blocks 40] [--block 50]
 """
 
@@ -69,12 +77,14 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, IterableDataset
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutGroup, left_padded, small_tensor
 from lit_gmc.callbacks.diagnostics import as_values, correlations, exact_mean, step_scalars, tied_fraction
 from lit_gmc.cli import NoProfiler
+from lit_gmc.data.datamodule import RolloutStream
 from lit_gmc.data.engines import sampled_logprobs, seed_sampling
 from lit_gmc.data.tasks import Addition, PromptStream
 from lit_gmc.data.tokens import decode_responses, encode_prompts
@@ -177,6 +187,37 @@ def correlations_before(xs: list[torch.Tensor], y: torch.Tensor) -> list[float |
         denominator = math.sqrt(sxx * syy)
         out.append(sxy / denominator if denominator > 0 else None)
     return out
+
+
+class FixedShares:
+    """A stand-in DataModule for the loaders: the same prepared batch at every update, for ever."""
+
+    def __init__(self, batch: object) -> None:
+        self.batch = batch
+
+    def next_share(self) -> object:
+        return self.batch
+
+
+class StreamBefore(IterableDataset):
+    """The seventh round's training stream, read through a ``DataLoader`` (restated)."""
+
+    def __init__(self, datamodule: FixedShares) -> None:
+        self.dm = datamodule
+
+    def __iter__(self):
+        while (share := self.dm.next_share()) is not None:
+            yield share
+
+
+def finite_floats(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    """The learner's two finiteness checks as now: on the values as Python floats."""
+    return math.isfinite(float(loss)) and math.isfinite(float(grad_norm))
+
+
+def finite_tensors(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    """The same checks as before: ``torch.isfinite`` of each 0-dim tensor."""
+    return bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
 
 
 def launch_groups(seed: int) -> list[RolloutGroup]:
@@ -325,6 +366,16 @@ def main() -> None:
             raise SystemExit(f"correlations differ from the sixth round's on seed {seed}")
     xs_fixed = [stats["log_rho"], torch.full((B * G,), 8)]  # the default schedule delays every row by 8
 
+    shares = FixedShares(launch_groups(1))
+    stream_now = iter(RolloutStream(shares))
+    loader_before = iter(DataLoader(StreamBefore(shares), batch_size=None, num_workers=0, collate_fn=lambda b: b))
+    if not (next(stream_now) is next(loader_before) is shares.batch):
+        raise SystemExit("RolloutStream and the DataLoader hand out different batches")
+    checked = [torch.tensor(v) for v in (0.5, -3.0, math.inf, -math.inf, math.nan)]
+    if any(finite_floats(a, b) != finite_tensors(a, b) for a in checked for b in checked):
+        raise SystemExit("the finiteness checks on floats and on tensors disagree")
+    loss, grad_norm = checked[0], checked[1]
+
     def hook_in(profiler) -> None:
         with profiler.profile("[Callback]Diagnostics.on_train_batch_end"):
             pass
@@ -366,6 +417,10 @@ def main() -> None:
         ("correlations", timed({"correlations": lambda: correlations(xs_fixed, stats["response_lengths"]),
                                 "sixth round": lambda: correlations_before(xs_fixed, stats["response_lengths"])},
                                args.blocks, args.block)),
+        ("next batch", timed({"RolloutStream": lambda: next(stream_now), "DataLoader": lambda: next(loader_before)},
+                             args.blocks, args.block)),
+        ("finite checks", timed({"math.isfinite": lambda: finite_floats(loss, grad_norm),
+                                 "torch.isfinite": lambda: finite_tensors(loss, grad_norm)}, args.blocks, args.block)),
     ]  # fmt: skip
     print("same results checked; process CPU us per call (median of alternated blocks)")
     for label, figures in rows:

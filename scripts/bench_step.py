@@ -30,12 +30,15 @@ and profile only a few of them (``--phase-reps``).
 
 The per-phase breakdown comes from separate, instrumented fits: wrappers installed around library functions (no
 library code changes; ~75 wrapped calls an update) charge each phase with its own time, less that of the wrapped
-calls nested in it, and "Lightning loop" is what no wrapper saw. Phases are means over the steady updates (they add
-up to the mean update) and medians over repetitions. The wrappers slow an instrumented fit down by a few per cent
-(the script prints both fits' ratios), so read the small phases as upper bounds.
+calls nested in it, and "Lightning loop" is what no wrapper saw (``--lightning-phases`` splits some of it off:
+Lightning's hook dispatch to the module and strategy, its data fetcher, logger connector, ``training_step`` keyword
+arguments and ``batch_to_device``; its dispatch to the callbacks stays in the rest). Phases are means over the
+steady updates (they add up to the mean update) and medians over repetitions. The wrappers slow an instrumented fit
+down by a few per cent (the script prints both fits' ratios), so read the small phases as upper bounds.
 
     python scripts/bench_step.py [--reps 5] [--phase-reps N] [--steps 40] [--warmup 5] [--schedule Sync|FixedDelay]
-                                 [--delay 8] [--clock cpu|wall] [--compare-logger] [--fit-args "..."]
+                                 [--delay 8] [--clock cpu|wall] [--compare-logger] [--lightning-phases]
+                                 [--fit-args "..."]
                                  [--json out.json] [--plot [PNG]]
 """
 
@@ -61,7 +64,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer import call as trainer_call
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
@@ -85,7 +94,7 @@ GROUPS = {"generate": "generate", "score": "score", "collate": "collate", "sched
           "learner other": "stats", "learner": "stats", "learner: zero_grad": "optimizer",
           "learner: lr scheduler step": "optimizer", "clip": "optimizer", "optimizer": "optimizer",
           "weight sync": "weight sync", "logging": "logging", "callback": "callbacks",
-          "Lightning loop": "Lightning loop", "release": "release"}  # fmt: skip
+          "Lightning loop": "Lightning loop", "Lightning": "Lightning loop", "release": "release"}  # fmt: skip
 COLOURS = {"generate": "#1f77b4", "score": "#aec7e8", "collate": "#ff7f0e", "log-probs forward": "#2ca02c",
            "loss": "#98df8a", "backward": "#d62728", "stats": "#ff9896", "optimizer": "#9467bd",
            "weight sync": "#c5b0d5", "logging": "#e377c2", "callbacks": "#bcbd22",
@@ -265,6 +274,19 @@ LIBRARY_PHASES = [
     (pl.LightningModule, "log", "logging: self.log"),
     (diagnostics_module, "step_scalars", "callback: Diagnostics.step_scalars"),
 ]
+# --lightning-phases: Lightning's own calls around the step, charged apart from the rest of "Lightning loop". Its
+# dispatch of callback hooks is not among them: the bare update runs inside that dispatch (in this script's hook).
+LIGHTNING_PHASES = [
+    (trainer_call, "_call_lightning_module_hook", "Lightning: module hook dispatch"),
+    (trainer_call, "_call_strategy_hook", "Lightning: strategy hook dispatch"),
+    (_PrefetchDataFetcher, "__next__", "Lightning: data fetcher"),
+    (_BaseDataLoaderIter, "__next__", "Lightning: torch DataLoader"),
+    (_LoggerConnector, "on_batch_start", "Lightning: logger connector"),
+    (_LoggerConnector, "on_batch_end", "Lightning: logger connector"),
+    (_LoggerConnector, "update_train_step_metrics", "Lightning: logger connector"),
+    (_TrainingEpochLoop, "_build_kwargs", "Lightning: training_step kwargs"),
+    (Strategy, "batch_to_device", "Lightning: batch_to_device"),
+]
 HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
          "on_before_optimizer_step", "on_before_zero_grad")  # fmt: skip
 
@@ -320,12 +342,12 @@ class FlushEveryCallLogger(TensorBoardLogger):
 
 
 def lit_run(steps: int, schedule: list[str], workdir: Path, clock: Callable, instrument: bool, logger: str | None,
-            fit_args: Sequence[str] = ()):  # fmt: skip
+            fit_args: Sequence[str] = (), lightning_phases: bool = False):  # fmt: skip
     """``fit`` in this process with a bare update before each of its updates; ``(lit windows, bare loop)``.
 
     The windows are ``(clock seconds, wall seconds, {phase: clock seconds})`` of the updates but the last.
     ``logger``: a ``class_path`` replacing the embedded default's logger class (same ``init_args``).
-    ``fit_args``: more ``fit`` options, after the others.
+    ``fit_args``: more ``fit`` options, after the others. ``lightning_phases``: also time Lightning's own calls.
     """
     phases = Phases(clock)
     bare = BareLoop(steps, clock)
@@ -335,7 +357,8 @@ def lit_run(steps: int, schedule: list[str], workdir: Path, clock: Callable, ins
             "--trainer.logger.init_args.save_dir", str(workdir), "--trainer.default_root_dir", str(workdir),
             *fit_args]  # fmt: skip
     out = io.StringIO()  # the progress bar and Lightning's messages, as in a run whose output goes to a file
-    with phases.patched(LIBRARY_PHASES if instrument else []), contextlib.redirect_stderr(out):
+    targets = [*LIBRARY_PHASES, *(LIGHTNING_PHASES if lightning_phases else [])] if instrument else []
+    with phases.patched(targets), contextlib.redirect_stderr(out):
         with contextlib.redirect_stdout(out):
             GMCCLI(args=args, trainer_defaults={"callbacks": [timer]})
     windows = []
@@ -379,6 +402,9 @@ def parse_args() -> argparse.Namespace:
     add("--compare-logger", action="store_true", help="also run lit_gmc with its former, flush-every-call logger")
     add("--fit-args", default="", help="more fit options for lit_gmc, one shell-quoted string (e.g. to leave out "
         "callbacks: \"--trainer.callbacks '[]'\"); the loss check is skipped when nothing logs train/loss")  # fmt: skip
+    add("--lightning-phases", action="store_true", help="in the instrumented fits, also time Lightning's own calls "
+        "around the step (hook dispatch to the module and strategy, the data fetcher, the logger connector, ...), "
+        "each charged apart from the rest of 'Lightning loop'")  # fmt: skip
     add("--json", type=Path, help="write the figures here")
     add("--plot", nargs="?", const=Path("docs/figures/performance_phases.png"), type=Path,
         help="save a bar chart of ms/update per phase (default docs/figures/performance_phases.png)")  # fmt: skip
@@ -410,7 +436,8 @@ def main() -> None:
                 profiled = args.phase_reps is None or rep < args.phase_reps
                 for instrument in (False, True)[: 1 + profiled]:
                     workdir = Path(tmp) / f"{name}{rep}{'_phases' * instrument}"
-                    windows, bare = lit_run(args.steps, schedule, workdir, clock, instrument, logger, fit_args)
+                    windows, bare = lit_run(args.steps, schedule, workdir, clock, instrument, logger, fit_args,
+                                            args.lightning_phases)
                     both, kind = paired(windows, bare, keep), "_phases" if instrument else ""
                     results[f"{name}{kind}"].append(both["lit"])
                     results[f"{name}{kind}_bare"].append(both["bare"])

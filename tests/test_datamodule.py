@@ -23,3 +23,22 @@ def test_setup_after_teardown_starts_the_engine_again(recompute):
         assert dm.rollout_engine is None and not isinstance(dm.engine, BehaviorRecompute)
     assert prompts == [0.0, 1.0]  # the second setup continues the launches
     assert (dm.stream.epoch, dm.stream.position) == (0, 4)  # and the prompt stream: 2 launches of B = 2 prompts
+
+
+def test_the_training_stream_is_sized_stateful_and_yields_every_update():
+    # Lightning skips its one-batch prefetch only for a sized loader (a prefetch would generate batch n + 1 before
+    # update n's weights are published: one more step of delay on every row), and restarts without a warning only
+    # a loader with state_dict; the stream is the DataModule's, not a torch DataLoader's.
+    from lightning.fabric.utilities.data import sized_len
+    from lightning.fabric.utilities.types import _Stateful
+
+    dm = tiny_data(1, group_size=2, batch_prompts=2, max_new_tokens=3, total_updates=3)
+    dm.setup("fit")
+    try:
+        stream = dm.train_dataloader()
+        assert sized_len(stream) == 3 and isinstance(stream, _Stateful) and stream.state_dict() == {}
+        batches = list(stream)  # the schedule's batches, then the end of the epoch
+        assert len(batches) == 3 and all(b.rewards.shape == (4,) for b in batches)
+        assert list(dm.train_dataloader()) == []  # the schedule is exhausted: a new stream yields nothing
+    finally:
+        dm.teardown("fit")
