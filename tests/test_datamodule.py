@@ -28,7 +28,7 @@ def test_setup_after_teardown_starts_the_engine_again(recompute):
 def test_the_training_stream_is_sized_stateful_and_yields_every_update():
     # Lightning skips its one-batch prefetch only for a sized loader (a prefetch would generate batch n + 1 before
     # update n's weights are published: one more step of delay on every row), and restarts without a warning only
-    # a loader with state_dict; the stream is the DataModule's, not a torch DataLoader's.
+    # a loader with state_dict.
     from lightning.fabric.utilities.data import sized_len
     from lightning.fabric.utilities.types import _Stateful
 
