@@ -21,26 +21,29 @@ key                        shape         meaning
 ``schedule/draining``      ``()``        1 once the delay queue drains (no new generation)
 =========================  ============  ==========================================================
 
-The cross-rule diagnostics (the share of groups GMC would rescale, ``rho_bar > 1 + cap_eps``, and of trajectories
-TIC would drop, ``rho > 1 + cap_eps``) use the callback's own fixed ``cap_eps``, whatever rule trains, so runs of
-different rules are compared at one threshold. The training reward itself is the learner's ``train/reward``.
+The cross-rule diagnostics (the share of groups GMC would rescale, ``rho_bar > 1 + gmc_cap``, and of trajectories
+TIC would drop, ``rho > 1 + tic_cap``) use the callback's own thresholds, whatever rule trains and whatever its
+own threshold is, so runs of different rules are compared at one threshold. The training reward itself is the
+learner's ``train/reward``.
 
-Scalars go to every logger's ``log_metrics`` under ``{prefix}/...``, at the step Lightning logs the batch
-at. (Not through ``pl_module.log``: Lightning re-logs a value at later steps until it is logged again, which
-would repeat an undefined correlation or the one-off drain marker.) Histograms and the centred rolling mean
-of the entropy are written to the TensorBoard logger only. The centred mean of update ``n`` needs the
-entropies up to ``n + window // 2``, so it is written that many updates late (at step ``n``), and the last
-ones when training ends.
+Statistics are torch reductions on the stats' device, in float64, with one transfer to the host per update (every
+scalar stacked into one tensor), so their cost does not grow with a host copy of the entropy of every token.
+
+Scalars go to every logger's ``log_metrics`` under ``{prefix}/...``, once per optimizer step, at the index of the
+update just taken (``trainer.global_step - 1``). Under gradient accumulation the stats of an update's batches are
+concatenated (rows stay group-major) and logged when its optimizer step is taken. (Not through ``pl_module.log``:
+Lightning re-logs a value at later steps until it is logged again, which would repeat an undefined correlation or
+the one-off drain marker.) Histograms and the centred rolling mean of the entropy are written to the TensorBoard
+logger only. The centred mean of update ``n`` needs the entropies up to ``n + window // 2``, so it is written that
+many updates late (at step ``n``), and the last ones when training ends.
 Delay moments and delay histograms are not logged here (the delay accounting callback owns them).
 """
 
 from __future__ import annotations
 
 import math
-from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,6 +57,7 @@ ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
 GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
 HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
               "response_lengths": "response_length", "entropy": "entropy"}  # fmt: skip
+QUANTILE_LIMIT = 2**24  # torch.quantile refuses inputs with more elements than this
 
 
 def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -87,107 +91,58 @@ def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
     return rows, groups
 
 
-def pearson(x: Tensor, y: Tensor) -> float | None:
-    """Pearson correlation of two ``(N,)`` tensors over the pairs where both are finite.
+def quantiles(values: Tensor, qs: Sequence[float], limit: int = QUANTILE_LIMIT) -> Tensor:
+    """``torch.quantile(values, qs)`` (linear interpolation; NaN if any value is NaN), at any size. ``(len(qs),)``.
 
-    Returns None when fewer than two pairs remain or either side is constant (the correlation is undefined,
-    e.g. the delay under a fixed-delay schedule).
+    ``torch.quantile`` refuses more than ``limit`` (2**24) elements; past that the values are sorted and neighbours
+    interpolated with ``torch.lerp``, the steps and the rounding ``torch.quantile`` itself takes.
     """
-    return correlations([x], y)[0]
+    flat = values.flatten()  # (n,)
+    q = torch.tensor(qs, dtype=flat.dtype, device=flat.device)  # (k,)
+    if flat.numel() <= limit:
+        return torch.quantile(flat, q)
+    ordered = flat.sort().values  # (n,)
+    position = q * (flat.numel() - 1)  # (k,)
+    below = position.floor()  # (k,)
+    low, high = ordered[below.long()], ordered[position.ceil().long()]  # (k,) each
+    return torch.where(flat.isnan().any(), torch.nan, torch.lerp(low, high, position - below))  # (k,)
 
 
-def correlations(xs: Sequence[Tensor | list[float]], y: Tensor | list[float]) -> list[float | None]:
-    """:func:`pearson` of each of ``xs`` with one ``y`` (tensors, or their values as lists), computed on floats."""
-    y_values = as_values(y)
-    y_finite = all(map(math.isfinite, y_values))
-    y_whole: tuple[list[float], float] | None = None  # y's deviations and their sum of squares over every pair
-    out: list[float | None] = []
-    for x in xs:
-        xk, yk = as_values(x), y_values
-        if len(xk) != len(yk):
-            raise ValueError(f"correlations: {len(xk)} values against {len(yk)}")
-        if not (y_finite and all(map(math.isfinite, xk))):
-            kept = [(a, b) for a, b in zip(xk, yk, strict=True) if math.isfinite(a) and math.isfinite(b)]
-            xk, yk = [a for a, _ in kept], [b for _, b in kept]
-        if len(xk) < 2:
-            out.append(None)
-            continue
-        dx, sxx = deviations(xk)
-        if sxx == 0:  # x is constant: undefined whatever y is
-            out.append(None)
-            continue
-        if yk is not y_values:
-            dy, syy = deviations(yk)
-        else:  # every pair kept: y's side is the same for each x
-            y_whole = y_whole or deviations(y_values)
-            dy, syy = y_whole
-        sxy = math.fsum([a * b for a, b in zip(dx, dy, strict=True)])
-        denominator = math.sqrt(sxx * syy)
-        out.append(sxy / denominator if denominator > 0 else None)
-    return out
+def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Pearson correlation of two ``(N,)`` tensors over the pairs where both are finite, and whether it is defined.
 
-
-def deviations(values: Sequence[float]) -> tuple[list[float], float]:
-    """Each value less their mean (:func:`exact_mean`), and the correctly rounded sum of their squares."""
-    mean = exact_mean(values)
-    centred = [v - mean for v in values]
-    return centred, math.fsum([d * d for d in centred])
-
-
-def as_values(values: Tensor | list[float]) -> list[float]:
-    """A tensor's values as Python numbers, exactly (flattened); a list is returned as it is."""
-    return values.detach().flatten().tolist() if isinstance(values, Tensor) else values
-
-
-def exact_mean(values: Sequence[float]) -> float:
-    """Mean of a non-empty sequence of floats, its sum correctly rounded (``math.fsum``); IEEE results otherwise.
-
-    A sum that holds both infinities is NaN and one that overflows is infinite, as a float64 torch reduction gives.
+    Undefined (``False``, 0-D bool) when fewer than two pairs remain or either side is constant over them (e.g. the
+    delay under a fixed-delay schedule). ``torch.corrcoef`` would take the non-finite pairs in, and selecting the
+    finite ones by indexing waits for the device; here they are masked out instead, in float64.
     """
-    try:
-        return math.fsum(values) / len(values)
-    except ValueError:  # inf + -inf
-        return math.nan
-    except OverflowError:  # finite values past the float64 range
-        return sum(values) / len(values)
+    if x.shape != y.shape or x.dim() != 1:
+        raise ValueError(f"pearson: x {tuple(x.shape)} and y {tuple(y.shape)} must be the same (N,)")
+    if x.numel() == 0:
+        return torch.tensor(math.nan, dtype=torch.float64, device=x.device), torch.tensor(False, device=x.device)
+    x, y = x.double(), y.to(device=x.device, dtype=torch.float64)  # (N,) each
+    kept = x.isfinite() & y.isfinite()  # (N,)
+    count = kept.sum()
+
+    def centred(v: Tensor) -> Tensor:  # (N,), 0 where not kept
+        return torch.where(kept, v - torch.where(kept, v, 0.0).sum() / count, 0.0)
+
+    def constant(v: Tensor) -> Tensor:  # over the kept pairs
+        return torch.where(kept, v, math.inf).amin() == torch.where(kept, v, -math.inf).amax()
+
+    dx, dy = centred(x), centred(y)
+    denominator = ((dx * dx).sum() * (dy * dy).sum()).sqrt()
+    defined = (count >= 2) & ~constant(x) & ~constant(y) & (denominator > 0)
+    return (dx * dy).sum() / denominator, defined
 
 
-def extremes(values: Sequence[float]) -> tuple[float, float]:
-    """``(min, max)`` of a non-empty sequence, both NaN when one value is (Python's ``min`` would depend on order)."""
-    if any(map(math.isnan, values)):
-        return math.nan, math.nan
-    return float(min(values)), float(max(values))
+def tied_fraction(rewards: Tensor, group_size: int) -> Tensor:
+    """Share of groups whose rewards all equal their first exactly (NaN never ties), a float32 0-D tensor.
 
-
-def linear_quantile(ordered: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of sorted values, interpolated linearly between neighbours; ``torch.quantile``'s value.
-
-    Between neighbours ``a <= b`` at weight ``w``: ``a + w (b - a)`` for ``w < 1/2``, else ``b + (w - 1)(b - a)``,
-    each as one fused multiply-add (torch's ``lerp``), here exactly rounded through ``Fraction``.
+    The value of ``lit_gmc.objectives.zero_variance_fraction``, restated so that the callback depends on no
+    lit_gmc module; NaN for no groups.
     """
-    position = q * (len(ordered) - 1)
-    low, high = math.floor(position), math.ceil(position)
-    weight, a, b = position - low, ordered[low], ordered[high]
-    if not all(map(math.isfinite, (a, b))):
-        return a + weight * (b - a) if weight < 0.5 else b + (weight - 1) * (b - a)  # inf or NaN, as torch
-    start, coefficient = (a, weight) if weight < 0.5 else (b, weight - 1)
-    return float(Fraction(coefficient) * Fraction(b - a) + Fraction(start))
-
-
-def tied_fraction(rewards: Sequence[float], group_size: int) -> float:
-    """:func:`lit_gmc.objectives.zero_variance_fraction` of the rewards' values, the same float.
-
-    The share of groups whose rewards all equal their first exactly (NaN never ties), rounded to float32 as
-    that function's float32 mean rounds it (a ratio of integers below 2**24 rounds to the same float32 from its
-    float64 value as from the exact quotient).
-    """
-    starts = range(0, len(rewards), group_size)
-    if not starts:
-        return math.nan  # the mean over no groups
-    # list.count counts an object as equal to itself, NaN included: hence the separate test of the first reward.
-    groups = (rewards[s : s + group_size] for s in starts)
-    tied = sum(g[0] == g[0] and g.count(g[0]) == len(g) for g in groups)
-    return array("f", [tied / len(starts)])[0]
+    grouped = rewards.reshape(-1, group_size)  # (B, G)
+    return (grouped == grouped[:, :1]).all(-1).float().mean()
 
 
 def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
@@ -201,7 +156,11 @@ def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
 
 
 def centred_rolling_mean(values: Sequence[float], window: int) -> list[float]:
-    """Centred rolling mean of a whole series (the offline form of :class:`CentredRollingMean`)."""
+    """Centred rolling mean of a whole series (the offline form of :class:`CentredRollingMean`, for the plots).
+
+    pandas' ``rolling(window, center=True, min_periods=1).mean()`` gives the same values, but pandas is not a
+    dependency of the package.
+    """
     out = []
     for i in range(len(values)):
         start, stop = centred_window(i, len(values), window)
@@ -213,7 +172,9 @@ class CentredRollingMean:
     """Online centred rolling mean, exactly :func:`centred_rolling_mean` of the pushed series.
 
     Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last ones on
-    :meth:`flush`. The state (the last ``window`` values and two counters) is checkpointable.
+    :meth:`flush`. The state (the last ``window`` values and two counters) is checkpointable. Written here because
+    the libraries' centred windows (pandas' ``rolling(center=True)``, ``Tensor.unfold``) need the whole series,
+    and a training run has only its past, across restarts.
     """
 
     def __init__(self, window: int) -> None:
@@ -255,55 +216,97 @@ class CentredRollingMean:
         self.count, self.emitted = state["count"], state["emitted"]
 
 
-def step_scalars(stats: Mapping[str, Tensor], cap_eps: float = 0.28) -> dict[str, float]:
-    """Every per-update scalar the stats support (tags without the prefix); ``cap_eps``: the GMC/TIC threshold.
+def step_scalars(stats: Mapping[str, Tensor], gmc_cap: float = 0.28, tic_cap: float = 0.28) -> dict[str, float]:
+    """Every per-update scalar the stats support (tags without the prefix), as Python floats.
 
-    Computed on Python floats, each input converted once: the tensors hold a few dozen values, where a torch
-    reduction costs ~8 us of dispatch for nanoseconds of arithmetic (~0.7 ms an update, one by one). Sums are
-    correctly rounded (``math.fsum``), so a mean does not depend on the order a reduction happens to add in.
+    The :func:`step_tensors`, stacked and copied to the host at once; a correlation that is undefined is left out.
+    """
+    out, defined = step_tensors(stats, gmc_cap, tic_cap)
+    if not out:
+        return {}
+    device = next(iter(out.values())).device
+    parts = [t.to(device=device, dtype=torch.float64) for t in (*out.values(), *defined.values())]
+    host = torch.stack(parts).tolist()  # the update's one transfer to the host
+    scalars = dict(zip(out, host, strict=False))
+    for tag, is_defined in zip(defined, host[len(out) :], strict=True):
+        if not is_defined:
+            del scalars[tag]
+    return scalars
+
+
+def step_tensors(
+    stats: Mapping[str, Tensor], gmc_cap: float = 0.28, tic_cap: float = 0.28
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Every per-update scalar the stats support, as 0-D tensors on the stats' device (float64 reductions).
+
+    Args:
+        stats: ``training_step``'s dict (the module docstring lists the keys).
+        gmc_cap: A group counts as rescaled by GMC when ``rho_bar > 1 + gmc_cap``.
+        tic_cap: A trajectory counts as dropped by TIC when ``rho > 1 + tic_cap``.
+
+    Returns:
+        ``tag -> value``, and ``tag -> defined`` for the correlations (see :func:`pearson`).
     """
     rows, groups = check_stats(stats)
-    # Python numbers, exactly the tensors' values (int for integer tensors; fsum and the comparisons take either).
-    values = {key: stats[key].tolist() for key in (*ROW_KEYS, *GROUP_KEYS, "entropy") if key in stats}
-    out: dict[str, float] = {}
-    cap = math.log1p(cap_eps)
-    if values.get("log_rho"):
+    values = {key: stats[key].detach().double() for key in (*ROW_KEYS, *GROUP_KEYS, "entropy")
+              if key in stats and stats[key].numel()}  # fmt: skip
+    out: dict[str, Tensor] = {}
+    if "log_rho" in values:
         lr = values["log_rho"]  # (N,)
-        mean = exact_mean(lr)
-        low, high = extremes(lr)
-        std = math.sqrt(exact_mean([(x - mean) ** 2 for x in lr]))  # the population std, as the paper's spread
-        out.update({"log_rho/mean": mean, "log_rho/std": std, "log_rho/min": low, "log_rho/max": high,
-                    "log_rho/abs_mean": exact_mean(list(map(abs, lr)))})  # fmt: skip
-    if values.get("log_rho_bar"):
+        mean = lr.mean()
+        std = (lr - mean).square().mean().sqrt()  # the population std, as the paper's spread; inf mean: NaN std
+        out.update({"log_rho/mean": mean, "log_rho/std": std, "log_rho/min": lr.amin(), "log_rho/max": lr.amax(),
+                    "log_rho/abs_mean": lr.abs().mean()})  # fmt: skip
+    if "log_rho_bar" in values:
         lb = values["log_rho_bar"]  # (B,)
-        ordered = [math.nan] * len(lb) if any(map(math.isnan, lb)) else sorted(lb)  # NaN, as torch.quantile
-        out.update({"rho_bar/log_mean": exact_mean(lb), "rho_bar/log_median": linear_quantile(ordered, 0.5),
-                    "rho_bar/log_q90": linear_quantile(ordered, 0.9), "rho_bar/log_max": extremes(lb)[1]})  # fmt: skip
-    for key, tag in (("log_rho_bar", "gmc/rescaled_fraction"), ("log_rho", "tic/dropped_fraction")):
-        if values.get(key):
-            out[tag] = sum(x > cap for x in values[key]) / len(values[key])
-    if values.get("removed_mass"):
-        mass = values["removed_mass"]  # (B,)
-        out.update({"removed_mass/mean": exact_mean(mass), "removed_mass/max": extremes(mass)[1]})
-    if values.get("ess"):
-        ess = values["ess"]  # (B,)
-        out.update({"ess/mean": exact_mean(ess), "ess/min": extremes(ess)[0]})
+        median, q90 = quantiles(lb, [0.5, 0.9])
+        out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": median, "rho_bar/log_q90": q90,
+                    "rho_bar/log_max": lb.amax()})  # fmt: skip
+    for key, tag, cap in (
+        ("log_rho_bar", "gmc/rescaled_fraction", gmc_cap),
+        ("log_rho", "tic/dropped_fraction", tic_cap),
+    ):
+        if key in values:
+            out[tag] = (values[key] > math.log1p(cap)).double().mean()
+    if "removed_mass" in values:
+        out.update(
+            {"removed_mass/mean": values["removed_mass"].mean(), "removed_mass/max": values["removed_mass"].amax()}
+        )
+    if "ess" in values:
+        out.update({"ess/mean": values["ess"].mean(), "ess/min": values["ess"].amin()})
         if rows is not None:
             out["ess/mean_fraction_of_G"] = out["ess/mean"] / (rows // groups)
-    if values.get("response_lengths"):
+    if "response_lengths" in values:
         lengths = values["response_lengths"]  # (N,)
-        out.update({"response_length/mean": exact_mean(lengths), "response_length/max": extremes(lengths)[1]})
+        out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.amax()})
     if "rewards" in stats and groups is not None:
-        out["reward/zero_variance_fraction"] = tied_fraction(values["rewards"], rows // groups)
-    if values.get("entropy"):
-        out["entropy/mean"] = exact_mean(values["entropy"])
+        rewards = stats["rewards"].detach()  # (N,)
+        out["reward/zero_variance_fraction"] = (
+            tied_fraction(rewards, rows // groups) if rows else rewards.new_tensor(math.nan)
+        )
+    if "entropy" in values:
+        out["entropy/mean"] = values["entropy"].mean()
+    defined: dict[str, Tensor] = {}
     if "response_lengths" in stats:
-        pairs = [(key, tag) for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length"))
-                 if key in stats]  # fmt: skip
-        found = correlations([values[key] for key, _ in pairs], values["response_lengths"])
-        out.update({tag: r for (_, tag), r in zip(pairs, found, strict=True) if r is not None})
+        for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length")):
+            if key in stats:
+                out[tag], defined[tag] = pearson(stats[key].detach(), stats["response_lengths"].detach())
     if "schedule/draining" in stats:
-        out["drain/active"] = float(stats["schedule/draining"])
+        out["drain/active"] = stats["schedule/draining"].detach()
+    return out, defined
+
+
+def merged(outputs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+    """The stats of an update's accumulated batches as one dict.
+
+    Row, group and token keys are concatenated, ``schedule/draining`` comes from the last batch. Only keys every
+    batch has are kept, so rows stay aligned.
+    """
+    keys = set.intersection(*(set(o) for o in outputs))
+    out = {key: torch.cat([o[key].detach() for o in outputs]) for key in (*ROW_KEYS, *GROUP_KEYS, "entropy")
+           if key in keys}  # fmt: skip
+    if "schedule/draining" in keys:
+        out["schedule/draining"] = outputs[-1]["schedule/draining"].detach()
     return out
 
 
@@ -314,25 +317,37 @@ class Diagnostics(pl.Callback):
         entropy_window: Width of the centred rolling mean of the entropy (the paper's Figure 4 uses 25).
         histogram_every_n_steps: Period of the histograms (each costs a binning pass; scalars are every step).
         prefix: Tag prefix.
-        cap_eps: Threshold of the cross-rule diagnostics: the share of groups with ``rho_bar > 1 + cap_eps`` (GMC
-            would rescale them) and of trajectories with ``rho > 1 + cap_eps`` (TIC would drop them). Fixed, not
-            the active rule's eps (which is a PPO clip for GRPO, a truncation for VCPO, ...); the paper's 0.28.
+        gmc_cap: Diagnostics' own threshold for ``gmc/rescaled_fraction``, the share of groups with
+            ``rho_bar > 1 + gmc_cap`` (GMC at that cap would rescale them). Independent of the trained rule and its
+            threshold, so that runs of every rule are read at one value; the paper's 0.28.
+        tic_cap: Diagnostics' own threshold for ``tic/dropped_fraction``, the share of trajectories with
+            ``rho > 1 + tic_cap`` (TIC at that cap would drop them). Independent of the trained rule; 0.28.
     """
 
     def __init__(
-        self, entropy_window: int = 25, histogram_every_n_steps: int = 10, prefix: str = "diag", cap_eps: float = 0.28
+        self,
+        entropy_window: int = 25,
+        histogram_every_n_steps: int = 10,
+        prefix: str = "diag",
+        gmc_cap: float = 0.28,
+        tic_cap: float = 0.28,
     ) -> None:
         if histogram_every_n_steps < 1:
             raise ValueError(f"histogram_every_n_steps must be >= 1, got {histogram_every_n_steps}")
-        if not (cap_eps > 0 and math.isfinite(cap_eps)):
-            raise ValueError(f"cap_eps must be finite and > 0, got {cap_eps}")
-        self.cap_eps = cap_eps
+        for name, cap in (("gmc_cap", gmc_cap), ("tic_cap", tic_cap)):
+            if not (cap > 0 and math.isfinite(cap)):
+                raise ValueError(f"Diagnostics: {name} must be finite and > 0, got {cap}")
+        self.gmc_cap, self.tic_cap = gmc_cap, tic_cap
         self.entropy_window = entropy_window
         self.histogram_every_n_steps = histogram_every_n_steps
         self.prefix = prefix
         self.rolling = CentredRollingMean(entropy_window)
         self.drain_step: int | None = None
         self._warned_no_tensorboard = False
+        self._step_at_batch_start: int | None = None
+        # An update's earlier batches under gradient accumulation; not checkpointed, since Lightning checkpoints
+        # after an optimizer step, when none is pending.
+        self._accumulated: list[Mapping[str, Any]] = []
 
     @property
     @override
@@ -350,6 +365,12 @@ class Diagnostics(pl.Callback):
         return None
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -358,8 +379,13 @@ class Diagnostics(pl.Callback):
             got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
             raise TypeError("Diagnostics needs training_step to return a dict with some of the keys "
                             f"{', '.join(known)} (see lit_gmc.callbacks.diagnostics); got {got}")  # fmt: skip
-        step = trainer.fit_loop.total_batch_idx  # the step Lightning logs this batch's metrics at
-        scalars = step_scalars(outputs, self.cap_eps)
+        if trainer.global_step == self._step_at_batch_start:  # gradient accumulation: the update is not taken yet
+            self._accumulated.append({key: outputs[key] for key in known if key in outputs})
+            return
+        stats = merged([*self._accumulated, outputs]) if self._accumulated else outputs
+        self._accumulated = []
+        step = trainer.global_step - 1  # the update just taken, as the learner and DelayAccounting log it
+        scalars = step_scalars(stats, self.gmc_cap, self.tic_cap)
         if "drain/active" in scalars and scalars["drain/active"] > 0.5 and self.drain_step is None:
             self.drain_step = step
             scalars["drain/step"] = float(step)  # a single point: the update at which the queue started draining
@@ -373,7 +399,7 @@ class Diagnostics(pl.Callback):
                     writer.add_scalar(f"{self.prefix}/entropy/centred_rolling_mean", mean, centre)
         if writer is not None and step % self.histogram_every_n_steps == 0:
             for key, tag in HISTOGRAMS.items():
-                value = outputs.get(key)
+                value = stats.get(key)
                 if not isinstance(value, Tensor):
                     continue
                 flat = value.detach().float().flatten()

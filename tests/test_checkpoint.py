@@ -60,7 +60,9 @@ def test_last_checkpoint_is_the_end_of_the_run_between_periodic_saves(tmp_path):
                          plugins=[AtomicCheckpointIO()])  # fmt: skip
     trainer.fit(Tiny())
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
-        "epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"
+        "epoch=0-step=3.ckpt",
+        "epoch=0-step=6.ckpt",
+        "last.ckpt",
     ]
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 7
 

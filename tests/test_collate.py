@@ -69,14 +69,15 @@ def test_collate_refuses_mixed_group_sizes_and_nothing():
         collate_groups([], PAD)
 
 
-def test_small_tensor_gives_torch_tensors_values_and_dtype():
-    import numpy as np
-
-    from lit_gmc.batch import small_tensor
-
-    floats = [0.1, 1 / 3, 1e-40, -2.5, 1.0, 0.0, 3.4e38, True]  # float32 rounding, a subnormal, a bool
-    for values, np_dtype, dtype in [(floats, np.float32, torch.float32), ([0, -3, 2**40, 7], np.int64, torch.long)]:
-        got, want = small_tensor(values, np_dtype), torch.tensor(values, dtype=dtype)
-        assert got.dtype == want.dtype and got.shape == (len(values),)
-        assert torch.equal(got, want)
-    assert small_tensor([], np.int64).shape == (0,)
+def test_group_fields_and_rewards_are_tensors_of_the_right_dtype():
+    rng = random.Random(2)
+    groups = [random_group(rng, b, 2, 3) for b in range(3)]
+    batch = collate_groups(groups, PAD)
+    for name, field in (("versions", "version"), ("batch_ids", "batch_id"), ("prompt_ids", "prompt_id")):
+        got = getattr(batch, name)
+        assert got.dtype == torch.long and got.tolist() == [getattr(g, field) for g in groups], name
+    rewards = [0.1, 1 / 3, 1e-40, True]  # float32 rounding, a subnormal, a bool
+    scored = groups[0].with_rewards(rewards, version=9)
+    assert scored.rewards.dtype == torch.float32 and scored.version == 9
+    assert scored.rewards.tolist() == [float(torch.tensor(v, dtype=torch.float32)) for v in rewards]
+    assert torch.equal(groups[0].with_rewards(torch.tensor([1, 0])).rewards, torch.tensor([1.0, 0.0]))

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import ast
 import math
-import random
 import subprocess
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -28,11 +26,11 @@ from lit_gmc.callbacks.diagnostics import (
     Diagnostics,
     centred_rolling_mean,
     check_stats,
-    exact_mean,
-    extremes,
-    linear_quantile,
+    merged,
     pearson,
+    quantiles,
     step_scalars,
+    tied_fraction,
 )
 from lit_gmc.tblog import read_scalars
 
@@ -134,42 +132,36 @@ def test_step_scalars_only_for_present_keys():
     assert got == {}  # no G without a group key, no entropy without tokens; the mean reward is the learner's
 
 
-@pytest.mark.parametrize("cap_eps", [0.1, 0.28, 1.0])
-def test_cross_rule_shares_use_the_callbacks_own_threshold(cap_eps):
-    """The GMC-rescaled and TIC-dropped shares depend on ``cap_eps`` only, never on the training rule's eps."""
+@pytest.mark.parametrize(("gmc_cap", "tic_cap"), [(0.1, 1.0), (0.28, 0.28), (1.0, 0.1)])
+def test_cross_rule_shares_use_the_callbacks_own_thresholds(gmc_cap, tic_cap):
+    """The GMC-rescaled share depends on ``gmc_cap`` only, the TIC-dropped share on ``tic_cap`` only."""
     stats = fake_stats(5)
-    got = step_scalars(stats, cap_eps)
+    got = step_scalars(stats, gmc_cap=gmc_cap, tic_cap=tic_cap)
     bar, lr = stats["log_rho_bar"].double().numpy(), stats["log_rho"].double().numpy()
-    assert got["gmc/rescaled_fraction"] == pytest.approx((np.exp(bar) > 1 + cap_eps).mean(), abs=1e-12)
-    assert got["tic/dropped_fraction"] == pytest.approx((np.exp(lr) > 1 + cap_eps).mean(), abs=1e-12)
-    with pytest.raises(ValueError, match="cap_eps"):
-        Diagnostics(cap_eps=float("inf"))
+    assert got["gmc/rescaled_fraction"] == pytest.approx((np.exp(bar) > 1 + gmc_cap).mean(), abs=1e-12)
+    assert got["tic/dropped_fraction"] == pytest.approx((np.exp(lr) > 1 + tic_cap).mean(), abs=1e-12)
+    for name in ("gmc_cap", "tic_cap"):
+        with pytest.raises(ValueError, match=name):
+            Diagnostics(**{name: float("inf")})
+    callback = Diagnostics(gmc_cap=gmc_cap, tic_cap=tic_cap)
+    assert (callback.gmc_cap, callback.tic_cap) == (gmc_cap, tic_cap)
 
 
-def test_linear_quantile_is_torch_quantile_bit_for_bit():
-    rng = random.Random(0)
-    for _ in range(500):
-        values = torch.randn(rng.randint(1, 40), dtype=torch.float64) * rng.choice([1e-3, 1.0, 1e3])
-        ordered = sorted(values.tolist())
-        for q in (0.0, 0.1, 0.5, 0.9, 1.0):
-            assert linear_quantile(ordered, q) == float(torch.quantile(values, q)), (ordered, q)
-    for ordered in ([1.0, math.inf], [-math.inf, 1.0], [-math.inf, math.inf], [math.inf, math.inf]):
-        want = torch.quantile(torch.tensor(ordered, dtype=torch.float64), torch.tensor([0.5, 0.9], dtype=torch.float64))
-        np.testing.assert_array_equal([linear_quantile(ordered, 0.5), linear_quantile(ordered, 0.9)], want.numpy())
-
-
-def test_exact_mean_is_order_free_and_follows_ieee_where_not_finite():
-    rng = random.Random(1)
+def test_quantiles_are_numpys_linear_quantiles_at_every_size():
+    """``torch.quantile`` below the limit, sorting above it: both the direct float64 definition, NaN included."""
+    rng = np.random.default_rng(0)
+    qs = [0.0, 0.1, 0.5, 0.9, 1.0]
     for _ in range(200):
-        values = [rng.gauss(0, 1) * 10 ** rng.randint(-8, 8) for _ in range(rng.randint(1, 64))]
-        exact = sum(map(Fraction, values)) / len(values)
-        assert abs(Fraction(exact_mean(values)) - exact) <= 2 * Fraction(math.ulp(float(exact)))  # two roundings
-        assert exact_mean(rng.sample(values, len(values))) == exact_mean(values)  # no summation order in it
-    for values in ([math.inf, 1.0], [-math.inf, math.inf], [1e308, 1e308], [math.nan, 1.0], [2.0, -math.inf]):
-        want = torch.tensor(values, dtype=torch.float64).mean().item()
-        assert exact_mean(values) == want or (math.isnan(want) and math.isnan(exact_mean(values))), values
-    assert all(map(math.isnan, extremes([1.0, math.nan, -1.0])))  # NaN wherever it stands, as torch.aminmax
-    assert extremes([3, 1, 2]) == (1.0, 3.0) and isinstance(extremes([3])[0], float)
+        values = rng.normal(size=rng.integers(1, 40)) * rng.choice([1e-3, 1.0, 1e3])
+        want = np.quantile(values, qs)  # numpy's default: linear interpolation between neighbours
+        for limit in (2**24, 0):  # 0: every input takes the sorting path
+            got = quantiles(torch.from_numpy(values), qs, limit=limit).numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+        assert torch.equal(quantiles(torch.from_numpy(values), qs, limit=0), quantiles(torch.from_numpy(values), qs))
+    for values in ([1.0, math.inf], [-math.inf, 1.0], [-math.inf, math.inf], [math.inf, math.inf], [1.0, math.nan]):
+        tensor = torch.tensor(values, dtype=torch.float64)
+        want = torch.quantile(tensor, torch.tensor([0.5, 0.9], dtype=torch.float64))
+        np.testing.assert_array_equal(quantiles(tensor, [0.5, 0.9], limit=0).numpy(), want.numpy())
 
 
 def test_step_scalars_propagate_a_non_finite_ratio_as_torch_does():
@@ -180,28 +172,62 @@ def test_step_scalars_propagate_a_non_finite_ratio_as_torch_does():
     for key in ("mean", "std", "min", "max", "abs_mean"):
         assert math.isnan(got[f"log_rho/{key}"]), key
     assert "corr/log_rho_vs_length" in got  # the correlation leaves the non-finite pair out
+    bar = stats["log_rho_bar"].clone()
+    bar[0] = math.nan
+    got = step_scalars({**stats, "log_rho_bar": bar})
+    assert all(math.isnan(got[f"rho_bar/log_{key}"]) for key in ("mean", "median", "q90", "max"))
 
 
-def test_pearson_matches_numpy_and_is_none_when_undefined():
+def test_step_scalars_copy_to_the_host_once(monkeypatch):
+    """Every scalar of an update reaches the host in one ``tolist``: no ``item``, ``float`` or ``bool`` of a tensor."""
+    stats = fake_stats(4)
+    calls = []
+    for name in ("tolist", "item", "__float__", "__bool__", "__int__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+        counted = lambda self, *args, _original=original, _name=name, **kwargs: (  # noqa: E731
+            calls.append(_name) or _original(self, *args, **kwargs)
+        )
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    got = step_scalars(stats)
+    monkeypatch.undo()
+    assert calls == ["tolist"]
+    assert got == step_scalars(stats) and "corr/delay_vs_length" in got and "drain/active" in got
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_step_scalars_on_a_gpu_are_the_cpus():
+    stats = fake_stats(6)
+    on_gpu = {key: value.cuda() for key, value in stats.items()}
+    got, want = step_scalars(on_gpu), step_scalars(stats)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def pearson_or_none(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    r, defined = pearson(x, y)
+    return float(r) if bool(defined) else None
+
+
+def test_pearson_matches_numpy_and_is_undefined_where_it_should_be():
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(50, generator=gen), torch.randn(50, generator=gen)
-    assert pearson(x, y) == pytest.approx(np.corrcoef(x.numpy(), y.numpy())[0, 1], rel=1e-9)
-    assert pearson(torch.full((8,), 3.0), y[:8]) is None  # constant delay (fixed_delay schedule)
-    assert pearson(torch.tensor([1.0]), torch.tensor([2.0])) is None
-    with_inf = torch.cat([x, torch.tensor([math.inf])])
-    assert pearson(with_inf, torch.cat([y, torch.tensor([0.0])])) == pytest.approx(pearson(x, y))
-    # Several xs against one y (y's side is computed once where every pair is kept): each as its own pearson.
-    from lit_gmc.callbacks.diagnostics import correlations
+    assert pearson_or_none(x, y) == pytest.approx(np.corrcoef(x.double().numpy(), y.double().numpy())[0, 1], rel=1e-12)
+    assert pearson_or_none(torch.full((8,), 3.0), y[:8]) is None  # constant delay (fixed_delay schedule)
+    assert pearson_or_none(torch.full((3,), 0.1), torch.tensor([1.0, 2.0, 4.0])) is None  # 0.1 * 3 / 3 != 0.1
+    assert pearson_or_none(torch.tensor([1.0]), torch.tensor([2.0])) is None
+    assert pearson_or_none(torch.empty(0), torch.empty(0)) is None
+    with_inf = torch.cat([x, torch.tensor([math.inf, 1.0])])
+    with_nan = torch.cat([y, torch.tensor([0.0, math.nan])])
+    assert pearson_or_none(with_inf, with_nan) == pytest.approx(pearson_or_none(x, y), rel=1e-12)
+    assert pearson_or_none(torch.tensor([1, 2, 4]), torch.tensor([2, 3, 9])) == pytest.approx(
+        np.corrcoef([1, 2, 4], [2, 3, 9])[0, 1], rel=1e-12
+    )  # integer tensors (delays, lengths)
 
-    x2 = torch.randn(50, generator=gen)
-    x2[7] = math.nan
-    xs = [x, x2, torch.full((50,), 2.0), 3 * x - 1]
-    assert correlations(xs, y) == [pearson(x, y), pearson(x2, y), None, pearson(3 * x - 1, y)]
 
-
-def test_tied_fraction_is_zero_variance_fraction_on_the_values():
-    """Diagnostics reads the share of tied groups off the rewards' Python values: the same float as the tensor's."""
-    from lit_gmc.callbacks.diagnostics import tied_fraction
+def test_tied_fraction_is_zero_variance_fraction():
+    """Diagnostics' share of tied groups is the learner's ``zero_variance_fraction``, the same float32."""
     from lit_gmc.objectives import zero_variance_fraction
 
     gen = torch.Generator().manual_seed(0)
@@ -212,9 +238,10 @@ def test_tied_fraction_is_zero_variance_fraction_on_the_values():
             rewards[trial % rewards.numel()] = math.nan  # NaN ties with nothing, itself included
         for dtype in (torch.float32, torch.float64):
             values = rewards.to(dtype)
-            assert tied_fraction(values.tolist(), group_size) == zero_variance_fraction(values, group_size)
-    assert math.isnan(tied_fraction([], 4))
-    assert tied_fraction([math.nan] * 4 + [0.5] * 4, 4) == 0.5  # one NaN object four times still does not tie
+            got = tied_fraction(values, group_size)
+            assert got.dtype == torch.float32 and float(got) == zero_variance_fraction(values, group_size)
+    assert math.isnan(float(tied_fraction(torch.empty(0), 4)))
+    assert float(tied_fraction(torch.tensor([math.nan] * 4 + [0.5] * 4), 4)) == 0.5
 
 
 def test_zero_variance_fraction_by_hand():
@@ -311,6 +338,30 @@ def test_callback_logs_every_diagnostic_at_the_right_step(tmp_path):
     assert {f"diag/{t}" for t in ("log_rho", "log_rho_bar", "ess", "removed_mass", "response_length", "entropy")} <= (
         histogram_tags(tmp_path / "tb")
     )
+
+
+class AccumulatingModule(StatsModule):
+    """Two batches an update (``accumulate_grad_batches=2``): each batch returns its own half of the rows."""
+
+    def training_step(self, batch, batch_idx):
+        stats = fake_stats(100 + batch_idx)
+        self.seen[batch_idx] = stats
+        return {"loss": self.layer(batch).pow(2).mean(), **stats}
+
+
+def test_under_gradient_accumulation_each_update_is_logged_once_at_its_global_step(tmp_path):
+    module = AccumulatingModule()
+    trainer(tmp_path, 6, [Diagnostics(histogram_every_n_steps=1)], accumulate_grad_batches=2).fit(module, loader(12))
+    scalars = read_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["diag/log_rho/mean"]] == list(range(6))
+    for step in range(6):
+        both = merged([module.seen[2 * step], module.seen[2 * step + 1]])  # the update's rows, group-major
+        assert torch.equal(
+            both["log_rho"], torch.cat([module.seen[2 * step]["log_rho"], module.seen[2 * step + 1]["log_rho"]])
+        )
+        for key, value in step_scalars(both).items():
+            assert dict(scalars[f"diag/{key}"])[step] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, step)
+    assert step_scalars(both)["ess/mean_fraction_of_G"] == pytest.approx(float(both["ess"].double().mean()) / G)
 
 
 def test_callback_state_survives_resume(tmp_path):

@@ -62,7 +62,7 @@ def test_same_seed_same_samples_other_seed_other_samples(tiny_model, char_tokeni
 
 
 def test_samples_are_those_of_generate_under_torch_manual_seed(tiny_model, char_tokenizer):
-    """``seed_sampling`` seeds only the CPU generator; the draws are the ones ``torch.manual_seed`` gives."""
+    """The draws are the ones ``torch.manual_seed`` gives, and the caller's generator is left as it was."""
     engine = HFEngine.from_model(tiny_model, char_tokenizer)
     before = torch.get_rng_state()
     (group,) = engine.generate(PROMPTS[1:2], 6, SamplingParams(max_new_tokens=5, seed=11))
@@ -78,6 +78,22 @@ def test_samples_are_those_of_generate_under_torch_manual_seed(tiny_model, char_
     want = out[:, ids.shape[1] :]  # (6, L'): generate stops when every row has ended
     real = group.response_mask[:, : want.shape[1]]
     assert torch.equal(group.response_ids[:, : want.shape[1]][real], want[real])
+
+
+def test_prompts_are_the_tokenizers_own_ids_left_padded(tiny_model, char_tokenizer):
+    """Prompt ids and mask of a launch: what the tokenizer gives when it pads on the left itself."""
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
+    prompts = [*PROMPTS, Prompt(3, "", "0")]  # an empty prompt is all padding
+    groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=3, seed=0))
+    want = char_tokenizer([p.text for p in prompts], add_special_tokens=False, padding=True, padding_side="left",
+                          return_tensors="pt")  # fmt: skip
+    batch = collate_groups(groups, char_tokenizer.pad_token_id)
+    width = batch.prompt_width
+    assert torch.equal(batch.input_ids[::2, :width], want["input_ids"])
+    assert torch.equal(batch.attention_mask[::2, :width], want["attention_mask"].bool())
+    for group, text in zip(groups, [p.text for p in prompts], strict=True):
+        assert group.prompt_ids.dtype == torch.long
+        assert group.prompt_ids.tolist() == char_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_load_weights_updates_in_place_and_sets_the_version(tiny_model, char_tokenizer):
@@ -142,3 +158,25 @@ def test_sampled_logprobs_are_the_same_for_every_chunk_of_positions(vocab):
         assert torch.equal(got, one_by_one), chunk_bytes
     torch.testing.assert_close(one_by_one.double(), want, rtol=1e-6, atol=1e-6)
     assert torch.isinf(one_by_one).any() and torch.isfinite(one_by_one[0]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_samples_are_those_of_torch_manual_seed_and_no_generator_moves(tiny_model, char_tokenizer):
+    engine = HFEngine.from_model(tiny_model, char_tokenizer)
+    engine.model.cuda()  # the engine's own copy; the fixture stays on the CPU
+    cpu, gpus = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+    (group,) = engine.generate(PROMPTS[1:2], 6, SamplingParams(max_new_tokens=5, seed=11))
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), gpus, strict=True))
+    ids = torch.tensor([char_tokenizer(PROMPTS[1].text, add_special_tokens=False)["input_ids"]], device="cuda")
+    torch.manual_seed(11)
+    with torch.no_grad():
+        out = engine.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, num_return_sequences=6,
+            do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=char_tokenizer.pad_token_id,
+            eos_token_id=char_tokenizer.eos_token_id,
+        ).cpu()  # fmt: skip
+    want = out[:, ids.shape[1] :]
+    real = group.response_mask[:, : want.shape[1]]
+    assert torch.equal(group.response_ids[:, : want.shape[1]][real], want[real])
