@@ -1,7 +1,8 @@
 """Delay accounting: the delay distribution of every update and the paper's averaged delay moments.
 
 Reusable in any Lightning project whose ``training_step`` returns the per-trajectory delays ``tau = n - s``
-of the batch it trained on (``outputs["delays"]``). Logs, per update:
+of the batch it trained on (``outputs["delays"]``). Logs, once per optimizer update, at the update's index
+``trainer.global_step - 1`` (the step the update's other scalars carry):
 
 * ``delay/histogram``: the delays of the batch's trajectories (TensorBoard histogram, when the logger has one);
 * ``delay/tau_bar_2``, ``delay/tau_bar_4``: the running averaged moments ``(1/n) sum_k tau_k^p`` (eq. 11),
@@ -11,6 +12,10 @@ of the batch it trained on (``outputs["delays"]``). Logs, per update:
   steady-state delay the clock predicts, to read next to ``delay/running_mean``.
 
 (The per-update mean and max are logged by the learner itself as ``delay/mean`` and ``delay/max``.)
+
+Under gradient accumulation an update spans several batches: their delays (and lengths) are pooled and
+counted as one update when the optimizer steps, i.e. when ``trainer.global_step`` has advanced, which holds
+under automatic and manual optimization alike. The full contract is in ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
@@ -39,34 +44,72 @@ class DelayAccounting(pl.Callback):
         self.moments = RunningDelayMoments()
         self.length_sum = 0.0  # completion tokens of the consumed trajectories (virtual clock only)
         self.length_count = 0
+        # Batches since the last optimizer step. Not checkpointed: Lightning saves no half-accumulated gradients
+        # either, and its checkpoints are written after the step, when this is empty.
+        self.pending: list[torch.Tensor] = []
+        self.per_length: float | None = None
+        self.step_at_batch_start: int | None = None
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.pending, self.per_length = [], None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self.step_at_batch_start = trainer.global_step
+
+    @staticmethod
+    def batch_delays(outputs: Any) -> torch.Tensor:
+        """The ``(N,)`` delays in ``training_step``'s outputs.
+
+        Raises:
+            KeyError: If the outputs are not a dict with ``delays``.
+            TypeError: If ``delays`` is not a tensor.
+        """
         if not isinstance(outputs, Mapping) or "delays" not in outputs:
             keys = sorted(outputs) if isinstance(outputs, Mapping) else None
             raise KeyError(
                 "DelayAccounting needs training_step to return a dict with 'delays' (the (N,) delays of the batch's "
                 f"trajectories); got {type(outputs).__name__} with keys {keys}"
             )
-        delays = outputs["delays"].detach()  # (N,)
+        if not isinstance(outputs["delays"], torch.Tensor):
+            raise TypeError(f"DelayAccounting needs outputs['delays'] to be a tensor, got {type(outputs['delays'])}")
+        return outputs["delays"].detach()  # (N,)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.pending.append(self.batch_delays(outputs))
+        per_length = getattr(batch, "info", {}).get("delay_per_length")
+        if per_length is not None:
+            if "response_lengths" not in outputs:
+                raise KeyError(
+                    "DelayAccounting needs training_step to return 'response_lengths' (N,) when the batch's info "
+                    f"has 'delay_per_length'; got keys {sorted(outputs)}"
+                )
+            lengths = outputs["response_lengths"].detach().double()  # (N,)
+            self.length_sum += float(lengths.sum())
+            self.length_count += lengths.numel()
+            self.per_length = per_length
+        if trainer.global_step == self.step_at_batch_start:
+            return  # no optimizer step in this batch (gradient accumulation): the update goes on
+        delays = self.pending[0] if len(self.pending) == 1 else torch.cat([d.flatten() for d in self.pending])  # (N,)
+        self.pending = []
         self.moments.update(delays)
         scalars = {
             "delay/tau_bar_2": self.moments.tau2,
             "delay/tau_bar_4": self.moments.tau4,
             "delay/running_mean": self.moments.tau1,
         }
-        per_length = getattr(batch, "info", {}).get("delay_per_length")
-        if per_length is not None:
-            lengths = outputs["response_lengths"].detach().double()  # (N,)
-            self.length_sum += float(lengths.sum())
-            self.length_count += lengths.numel()
-            scalars["delay/predicted_mean"] = per_length * self.length_sum / self.length_count
+        if self.per_length is not None:
+            scalars["delay/predicted_mean"] = self.per_length * self.length_sum / self.length_count
+            self.per_length = None
         step = trainer.global_step - 1  # the update just taken
-        # Straight to the loggers, at the update's index: on disk before this step's checkpoint is written (with a
-        # write-through logger, lit_gmc.loggers.DurableTensorBoardLogger), so a run killed right after a checkpoint
-        # still has this step's record.
+        # Straight to the loggers, at the update's index: the record is in them before the step's checkpoint flushes
+        # them, so a run killed right after a checkpoint still has it.
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
         if step % self.histogram_every_n_steps == 0:

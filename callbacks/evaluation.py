@@ -1,13 +1,16 @@
-r"""Evaluate the policy on math benchmarks during training: greedy accuracy, avg@n and pass@k, to TensorBoard.
+r"""Evaluate the policy on benchmarks during training: greedy accuracy, avg@n and pass@k, to TensorBoard.
 
 The callback generates through any object with ``generate(prompts, n, sampling)`` (:class:`GenerationEngine`),
 by default the DataModule's ``rollout_engine``, and decodes with the DataModule's ``tokenizer``. It runs at
 the start of a training batch (and at the end of training), after the previous step's weights have been
 published, so it does not depend on where it sits in the callback list; the policy version it actually
 evaluated is recorded next to the step. Benchmark loading, prompts and scoring come from ``lit_gmc.data``,
-imported in ``setup``, so importing this module stays light. Benchmarks come from their hub datasets unless
-``data_dir`` or ``sources`` name local copies; a completion is scored by its last complete ``\boxed{}``, as in
-the paper and as the training reward does by default.
+imported in ``setup``, so importing this module stays light.
+
+A benchmark is either one of the paper's six math benchmarks, by name (from their hub datasets unless
+``data_dir`` or ``sources`` name local copies, with the two-shot math prompt, a completion scored by its last
+complete ``\boxed{}`` as in the paper), or a :class:`BenchmarkFile`: any JSON/JSONL file with its own question
+and answer columns, prompt template and scorer. The full contract is in ``docs/callbacks.md``.
 
 :func:`evaluate_suites` is the engine-agnostic core, shared with ``scripts/evaluate.py``.
 """
@@ -15,7 +18,7 @@ the paper and as the training reward does by default.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -36,7 +39,10 @@ PAPER_BENCHMARKS: tuple[str, ...] = ("math500", "gsm8k", "gaokao2023en", "olympi
 class GenerationEngine(Protocol):
     """What evaluation needs from a rollout engine: ``n`` responses per prompt, one group per prompt.
 
-    Each returned group has ``response_ids``, a ``(n, L)`` tensor of token ids (padding decodes to nothing).
+    ``prompts`` have ``text`` (and ``answer``); ``sampling`` has ``temperature`` (0: greedy), ``top_p``,
+    ``max_new_tokens`` and ``seed``. Each returned group has ``response_ids``, a ``(n, L)`` tensor of token ids
+    (padding decodes to nothing with ``skip_special_tokens=True``). An engine that has a ``version`` (the
+    optimizer steps its weights include) gets it recorded next to each evaluation.
     """
 
     def generate(self, prompts: Sequence[Any], n: int, sampling: Any) -> list[Any]:
@@ -50,15 +56,93 @@ class Scorer(Protocol):
         """One reward per pair."""
 
 
+@dataclass(frozen=True)
+class BenchmarkFile:
+    """A benchmark of the user's own: a JSON/JSONL file (read with ``datasets``), its prompt and its scorer.
+
+    Attributes:
+        name: Its name in the logged tags (``eval/<name>/greedy``...) and in the results.
+        path: The JSON or JSONL file, one problem a row.
+        question: Column of the question.
+        answer: Column of the reference answer (text, or a number: ``27.0`` is read as ``27``).
+        template: The prompt: a format string with a ``{question}`` field (other braces doubled, ``{{}}``), or a
+            callable ``question -> prompt``, or its import path (``"my_project.prompts.two_shot"``;
+            ``"lit_gmc.data.math_data.build_prompt"`` is the paper's two-shot math prompt).
+        scorer: A callable ``(completions, answer) -> list[float]``, 1.0 for a correct completion and 0.0
+            otherwise, or its import path; ``None`` takes the callback's ``scorer`` (by default the math one).
+        samples: Samples per problem for avg@n and pass@k (the callback's ``samples``, when set, overrides it).
+        title: Display name; ``None`` is ``name``.
+    """
+
+    name: str
+    path: str
+    question: str = "question"
+    answer: str = "answer"
+    template: str | Callable[[str], str] = "{question}"
+    scorer: str | Callable[[Sequence[str], str], Sequence[float]] | None = None
+    samples: int = 8
+    title: str | None = None
+
+
 @dataclass
 class Suite:
-    """One benchmark ready to run: its prompts (with reference answers), samples per problem and pass@k sizes."""
+    """One benchmark ready to run: its prompts (with reference answers), samples per problem and pass@k sizes.
+
+    ``scorer`` is the benchmark's own; ``None`` takes the one :func:`evaluate_suites` is given.
+    """
 
     name: str
     title: str
     prompts: list[Any]
     n: int
     ks: tuple[int, ...]
+    scorer: Scorer | None = None
+
+
+def file_suite(
+    spec: BenchmarkFile,
+    tokenizer: Any,
+    default_scorer: Callable[[], Scorer],
+    ks: Sequence[int],
+    samples: int | None = None,
+    max_problems: int | None = None,
+    max_prompt_tokens: int | None = None,
+) -> Suite:
+    """The suite of a :class:`BenchmarkFile`: its rows, prompts from its template, its scorer.
+
+    Args:
+        spec: The benchmark.
+        tokenizer: Counts prompt tokens when ``max_prompt_tokens`` is set (a fast tokenizer).
+        default_scorer: Gives the scorer of a file without one (called only then).
+        ks: pass@k sizes; those above the samples per problem are left out.
+        samples: Samples per problem, overriding the file's own ``samples``.
+        max_problems: Only the first problems.
+        max_prompt_tokens: Prompt budget (longer prompts lose their beginning).
+
+    Raises:
+        UserError: Naming the benchmark, for a bad template or scorer, or a missing or malformed file.
+    """
+    from lit_gmc.data.benchmarks import CompletionScorer, load_file_items, prompt_builder, resolve_callable
+    from lit_gmc.data.math_data import truncate_prompt
+    from lit_gmc.data.tasks import Prompt
+    from lit_gmc.errors import UserError
+
+    try:
+        build = prompt_builder(spec.template, "template")
+        scorer = (
+            default_scorer()
+            if spec.scorer is None
+            else CompletionScorer(resolve_callable(spec.scorer, "scorer"), repr(spec.scorer))
+        )
+        items = load_file_items(spec.path, question=spec.question, answer=spec.answer)[:max_problems]
+        texts = [build(item.problem) for item in items]
+        if max_prompt_tokens is not None:
+            texts = [truncate_prompt(text, tokenizer, max_prompt_tokens) for text in texts]
+    except (UserError, ValueError) as err:
+        raise UserError(f"benchmark {spec.name!r}: {err}") from err
+    prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
+    n = samples or spec.samples
+    return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer)
 
 
 def correctness(
@@ -67,12 +151,10 @@ def correctness(
     """``(P, n)`` 0/1 correctness of ``n`` responses to each prompt."""
     if not prompts:
         return torch.zeros(0, n)
-    from lit_gmc.data.tokens import decode_responses
-
     groups = engine.generate(prompts, n, sampling)
     pairs = []
     for prompt, group in zip(prompts, groups, strict=True):
-        texts = decode_responses(tokenizer, group.response_ids.tolist())
+        texts = tokenizer.batch_decode(group.response_ids.tolist(), skip_special_tokens=True)
         pairs.extend((text, prompt.answer) for text in texts)
     return torch.tensor(scorer.score_pairs(pairs), dtype=torch.float64).view(len(prompts), n)
 
@@ -80,12 +162,14 @@ def correctness(
 def evaluate_suites(
     engine: GenerationEngine,
     tokenizer: Any,
-    scorer: Scorer,
+    scorer: Scorer | None,
     suites: Sequence[Suite],
     max_new_tokens: int,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Greedy (T = 0) and sampled (T = 1, top-p 1) evaluation of every suite, with macro averages.
+
+    Each suite is scored by its own scorer, or by ``scorer`` when it has none.
 
     Returns:
         ``{"benchmarks": {name: {"title", "problems", "n", "greedy", "avg@n", "pass@k"...}},
@@ -99,8 +183,11 @@ def evaluate_suites(
     macro_greedy, macro_avg = MacroAverage(names), MacroAverage(names)
     results: dict[str, Any] = {"benchmarks": {}}
     for suite in suites:
-        first = correctness(engine, tokenizer, scorer, suite.prompts, 1, greedy)[:, 0]  # (P,)
-        many = correctness(engine, tokenizer, scorer, suite.prompts, suite.n, sampled)  # (P, n)
+        scores = suite.scorer or scorer
+        if scores is None:
+            raise ValueError(f"benchmark {suite.name!r} has no scorer of its own and none was given")
+        first = correctness(engine, tokenizer, scores, suite.prompts, 1, greedy)[:, 0]  # (P,)
+        many = correctness(engine, tokenizer, scores, suite.prompts, suite.n, sampled)  # (P, n)
         accuracy, avg, pass_k = GreedyAccuracy(), AvgAtN(suite.n), PassAtK(suite.n, suite.ks)
         for metric, values in ((accuracy, first), (avg, many), (pass_k, many)):
             metric.update(values)
@@ -128,11 +215,12 @@ def scalars_of(results: Mapping[str, Any], prefix: str = "eval") -> dict[str, fl
 
 
 class Evaluation(pl.Callback):
-    r"""Evaluate on math benchmarks every ``every_n_steps`` optimizer steps and at ``at_steps``.
+    r"""Evaluate on benchmarks every ``every_n_steps`` optimizer steps and at ``at_steps``.
 
     Args:
-        benchmarks: Registered benchmark names (``math500``, ``gsm8k``, ``gaokao2023en``, ``olympiadbench``,
-            ``minerva``, ``amc23``).
+        benchmarks: Each one a registered math benchmark's name (``math500``, ``gsm8k``, ``gaokao2023en``,
+            ``olympiadbench``, ``minerva``, ``amc23``) or a :class:`BenchmarkFile` (in YAML, a mapping with its
+            fields: ``{name: sums, path: sums.jsonl, template: "{question}=", scorer: my_project.exact}``).
         every_n_steps: Period in optimizer steps (``null``: only ``at_steps``).
         at_steps: Extra steps to evaluate at (the paper: 200, 300, 400, 800); 0 evaluates before training.
         data_dir: Folder of local benchmark copies under their usual names (``../shared/data``); ``null`` reads
@@ -149,14 +237,15 @@ class Evaluation(pl.Callback):
         verifier_workers: Processes that check answers.
         engine: Engine to generate with; ``null`` takes ``trainer.datamodule.rollout_engine`` at setup.
         tokenizer: Tokenizer to decode (and count prompt tokens) with; ``null`` takes ``trainer.datamodule.tokenizer``.
-        scorer: Reward of a completion; ``null`` builds the MATH scorer (last ``\boxed{}`` + math-verify).
+        scorer: Reward of a completion for the registered benchmarks and for files without a scorer of their own;
+            ``null`` builds the MATH scorer (last ``\boxed{}`` + math-verify) when one of them needs it.
         cut_at_next_problem: For the built scorer: score only the text before an invented next ``Problem:``
             line (a deviation from the paper, which scores the whole completion); match the training reward's.
     """
 
     def __init__(
         self,
-        benchmarks: Sequence[str] = PAPER_BENCHMARKS,
+        benchmarks: Sequence[str | BenchmarkFile] = PAPER_BENCHMARKS,
         every_n_steps: int | None = None,
         at_steps: Sequence[int] = (),
         data_dir: str | None = None,
@@ -174,8 +263,17 @@ class Evaluation(pl.Callback):
         cut_at_next_problem: bool = False,
     ) -> None:
         problems = []
+        names = [spec if isinstance(spec, str) else spec.name for spec in benchmarks]
         if not benchmarks:
             problems.append("benchmarks must name at least one benchmark")
+        if len(set(names)) != len(names):
+            problems.append(f"benchmarks {names} must have distinct names")
+        files = [spec for spec in benchmarks if isinstance(spec, BenchmarkFile)]
+        problems += [f"benchmarks {spec.name!r}: samples={spec.samples} must be >= 1" for spec in files
+                     if spec.samples < 1]  # fmt: skip
+        odd = [spec for spec in benchmarks if not isinstance(spec, (str, BenchmarkFile))]
+        if odd:
+            problems.append(f"benchmarks entries must be names or BenchmarkFile, got {odd!r:.200}")
         if every_n_steps is not None and every_n_steps < 1:
             problems.append(f"every_n_steps={every_n_steps} must be >= 1 (or null)")
         if any(step < 0 for step in at_steps):
@@ -191,6 +289,7 @@ class Evaluation(pl.Callback):
 
             raise UserError("invalid Evaluation options:\n  " + "\n  ".join(problems))
         self.benchmarks = list(benchmarks)
+        self.names = names
         self.every_n_steps = every_n_steps
         self.at_steps = sorted(set(at_steps))
         self.data_dir, self.sources, self.samples, self.ks = data_dir, dict(sources or {}), samples, tuple(ks)
@@ -205,9 +304,8 @@ class Evaluation(pl.Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(
-            benchmarks=self.benchmarks, every_n_steps=self.every_n_steps, at_steps=self.at_steps
-        )
+        # Names only: a BenchmarkFile may hold a callable, whose repr changes from run to run.
+        return self._generate_state_key(benchmarks=self.names, every_n_steps=self.every_n_steps, at_steps=self.at_steps)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is an evaluation step."""
@@ -221,13 +319,13 @@ class Evaluation(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lit_gmc.data.benchmarks import BENCHMARKS, BenchmarkUnreachable, load_benchmark
-        from lit_gmc.data.math_data import MathScorer, make_prompts
+        from lit_gmc.data.benchmarks import BENCHMARKS
         from lit_gmc.errors import UserError
 
-        unknown = [name for name in self.benchmarks if name not in BENCHMARKS]
+        unknown = [spec for spec in self.benchmarks if isinstance(spec, str) and spec not in BENCHMARKS]
         if unknown:
-            raise UserError(f"Evaluation: unknown benchmarks {unknown} in benchmarks; known: {', '.join(BENCHMARKS)}")
+            raise UserError(f"Evaluation: unknown benchmarks {unknown} in benchmarks; known: {', '.join(BENCHMARKS)}"
+                            " (or a BenchmarkFile for a file of your own)")  # fmt: skip
         self.active = trainer.global_rank == 0 or self._given["engine"] is not None
         if not self.active:
             return  # the rollout engine lives on rank 0, which evaluates every problem
@@ -241,28 +339,50 @@ class Evaluation(pl.Callback):
             )
         if not callable(getattr(self.tokenizer, "batch_decode", None)):
             raise TypeError(
-                "Evaluation needs a tokenizer with batch_decode: pass `tokenizer`, or use a DataModule with one"
+                "Evaluation needs a tokenizer with batch_decode(rows, skip_special_tokens=True): pass `tokenizer`, "
+                f"or use a DataModule with a `tokenizer` attribute (got {type(self.tokenizer).__name__})"
             )
-        self.scorer = (
-            self._given["scorer"]
-            or self.scorer
-            or MathScorer(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
-        )
-        self.suites = []
-        for name in self.benchmarks:
-            try:
-                bench = load_benchmark(name, source=self.sources.get(name), data_dir=self.data_dir)
-            except BenchmarkUnreachable as err:
-                raise UserError(
-                    f"Evaluation: {err}; set the callback's data_dir (a folder of local copies) or sources"
-                ) from err
-            except UserError as err:  # names the file and line; say whose option gave it
-                raise UserError(f"Evaluation: {err}") from err
-            items = bench.items[: self.max_problems]
-            prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
-                                   self.max_prompt_tokens)  # fmt: skip
-            n = self.samples or bench.samples
-            self.suites.append(Suite(name, bench.title, prompts, n, tuple(k for k in self.ks if k <= n)))
+        self.suites = [
+            self.registered_suite(spec) if isinstance(spec, str) else self.file_suite(spec) for spec in self.benchmarks
+        ]
+
+    def math_scorer(self) -> Scorer:
+        """The scorer given, else the MATH scorer, built once (its verifier processes start on first need)."""
+        if self.scorer is None:
+            from lit_gmc.data.math_data import MathScorer
+
+            self.scorer = MathScorer(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
+        return self.scorer
+
+    def registered_suite(self, name: str) -> Suite:
+        """One of the paper's benchmarks, with the two-shot math prompt and the math scorer."""
+        from lit_gmc.data.benchmarks import BenchmarkUnreachable, load_benchmark
+        from lit_gmc.data.math_data import make_prompts
+        from lit_gmc.errors import UserError
+
+        try:
+            bench = load_benchmark(name, source=self.sources.get(name), data_dir=self.data_dir)
+        except BenchmarkUnreachable as err:
+            raise UserError(
+                f"Evaluation: {err}; set the callback's data_dir (a folder of local copies) or sources"
+            ) from err
+        except UserError as err:  # names the file and line; say whose option gave it
+            raise UserError(f"Evaluation: {err}") from err
+        items = bench.items[: self.max_problems]
+        prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
+                               self.max_prompt_tokens)  # fmt: skip
+        n = self.samples or bench.samples
+        return Suite(name, bench.title, prompts, n, tuple(k for k in self.ks if k <= n), self.math_scorer())
+
+    def file_suite(self, spec: BenchmarkFile) -> Suite:
+        """A user's benchmark file, with its own template and scorer."""
+        from lit_gmc.errors import UserError
+
+        try:
+            return file_suite(spec, self.tokenizer, self.math_scorer, self.ks, self.samples, self.max_problems,
+                              self.max_prompt_tokens)  # fmt: skip
+        except UserError as err:
+            raise UserError(f"Evaluation: {err}") from err
 
     def run(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Evaluate now, log the scalars at ``trainer.global_step`` and append to the history."""
@@ -311,7 +431,7 @@ class Evaluation(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._given["scorer"] is None and self.scorer is not None:
             self.scorer.close()  # ours: stop its worker processes
-            self.scorer = None
+        self.scorer = self._given["scorer"]
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Publish the actor's weights and version to a rollout engine after optimizer steps.
+"""Publish the policy's weights and version to a rollout engine after optimizer steps.
 
 Reusable in any Lightning project: it needs only an object satisfying :class:`WeightSink`, passed in
-or exposed by the DataModule as ``weight_sink``.
+or exposed by the DataModule as ``weight_sink``, and the name under which the module holds its policy
+(``prefix``). The full contract is in ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ class WeightSync(pl.Callback):
     Args:
         sink: Where to send weights; ``None`` takes ``trainer.datamodule.weight_sink`` at setup.
         every_n_steps: Publish period in optimizer steps.
-        prefix: Only parameters whose name starts with it are sent, with the prefix removed, so the sink
-            sees the names of the wrapped model (``"actor."`` for a module holding it as ``self.actor``;
-            ``""`` sends every parameter under its own name).
+        prefix: Which parameters are the policy: those whose name in ``pl_module.named_parameters()`` starts
+            with it, sent with the prefix removed, so the sink sees the names of the wrapped model. The default
+            fits a module holding its policy as ``self.actor`` (lit_gmc's ``GMCModule``); a module holding it as
+            ``self.policy`` takes ``"policy."``, and ``""`` sends every parameter under its own name. A prefix
+            that selects no parameter is an error when training starts (the sink would silently keep its
+            initial weights).
         dtype: Cast each tensor to this dtype as it is sent, one at a time; ``None`` sends the parameters as
             they are. The engines cast what they receive to their own dtype anyway, so set to the engine's dtype
             this changes none of the weights the engine ends up with. It matters where the sink keeps copies:
@@ -81,15 +85,37 @@ class WeightSync(pl.Callback):
                 "WeightSync needs a sink with load_weights(named_tensors, version): pass one, or give the "
                 f"DataModule a `weight_sink` attribute (got {type(self.sink).__name__})"
             )
+        # Parameters may only exist after configure_model (FSDP2), which runs after this hook: the prefix is
+        # checked when training starts, before the first publish.
+
+    def selected_parameters(self, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
+        """``(name without prefix, parameter)`` of every parameter under ``prefix``; references, no copies.
+
+        Raises:
+            UserError: (a ``ValueError``) If no parameter's name starts with ``prefix``, naming a few of the module's
+                parameters.
+        """
+        cut = len(self.prefix)
+        selected = [(name[cut:], p) for name, p in pl_module.named_parameters() if name.startswith(self.prefix)]
+        if not selected:
+            from lit_gmc.errors import UserError  # an option the user set: lit_gmc's CLI prints it as one line
+
+            names = [name for name, _ in pl_module.named_parameters()]
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            raise UserError(
+                f"WeightSync(prefix={self.prefix!r}) would send nothing: no parameter of "
+                f"{type(pl_module).__name__} has a name starting with {self.prefix!r} (its parameters: "
+                f"{shown or 'none'}). Set prefix to the attribute holding the policy followed by a dot (e.g. "
+                "'policy.'), or '' to send every parameter."
+            )
+        return selected
 
     def publish(self, pl_module: pl.LightningModule, version: int) -> None:
         """Send the parameters under ``prefix`` (prefix stripped) to the sink, stamped with ``version``."""
-        cut = len(self.prefix)
         # A generator, so a gathered or cast copy exists for one tensor at a time, never for the whole model.
         named = (
-            (name[cut:], full_tensor(p.detach()) if self.dtype is None else full_tensor(p.detach()).to(self.dtype))
-            for name, p in pl_module.named_parameters()
-            if name.startswith(self.prefix)
+            (name, full_tensor(p.detach()) if self.dtype is None else full_tensor(p.detach()).to(self.dtype))
+            for name, p in self.selected_parameters(pl_module)
         )
         if pl_module.global_rank == 0:
             self.sink.load_weights(named, version)

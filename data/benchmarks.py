@@ -17,11 +17,16 @@ field           reference answer
 ``solution``    the last complete ``\boxed{}`` of a worked solution (the local Minerva copy)
 ``rationale``   the number after GSM8K's ``####``, thousands separators removed
 ==============  ============================================================================================
+
+A benchmark of a user's own (``Evaluation``'s ``BenchmarkFile``) is read by :func:`load_file_items`, its answers
+kept as they are, and comes with its own prompt (:func:`prompt_builder`) and reward (:class:`CompletionScorer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+import pkgutil
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +110,102 @@ def load_items(source: DataSource) -> list[BenchmarkItem]:
         except ValueError as err:
             raise UserError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
     return items
+
+
+def load_file_items(path: str, question: str = "question", answer: str = "answer") -> list[BenchmarkItem]:
+    """Problems and references of a user's benchmark file (``Evaluation``'s ``BenchmarkFile``), read as they are.
+
+    Unlike the registered benchmarks' references, which become LaTeX for the math verifier, a text answer is kept
+    verbatim (the file's own scorer reads it); a number is written as :func:`reference_text` writes it (``27.0``
+    as ``27``), so a file may store numeric answers as numbers.
+
+    Args:
+        path: A JSON or JSONL file, read with ``load_dataset("json")``.
+        question: Column of the question.
+        answer: Column of the reference answer.
+
+    Raises:
+        UserError: For a malformed row, naming its file and line and the column.
+        UserFileNotFoundError: For a file that does not exist.
+    """
+    source = DataSource(path, {"problem": question, "answer": answer})
+    rows = load_records(source, {"problem": str, "answer": (str, int, float)})
+    items = []
+    for index, row in enumerate(rows):
+        value = row["answer"]
+        try:
+            items.append(BenchmarkItem(row["problem"], value if isinstance(value, str) else reference_text(value)))
+        except ValueError as err:
+            raise UserError(f"{row_location(source, index)}: column {answer!r}: {err}") from err
+    return items
+
+
+class CompletionScorer:
+    """An evaluation scorer (``score_pairs``) from a reward ``(completions, answer) -> list[float]`` of 0/1 values.
+
+    Args:
+        score: The function; it scores each completion on its own (as a reward does), 1.0 when correct.
+        name: How error messages name it.
+    """
+
+    def __init__(self, score: Callable[[Sequence[str], str], Sequence[float]], name: str) -> None:
+        self.score, self.name = score, name
+
+    def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """One 0/1 value per pair; consecutive pairs with one reference (a problem's samples) go in one call.
+
+        Raises:
+            ValueError: If the function returns another count of values, or a value other than 0 and 1.
+        """
+        out: list[float] = []
+        for answer, run in itertools.groupby(pairs, key=lambda pair: pair[1]):
+            completions = [completion for completion, _ in run]
+            values = [float(v) for v in self.score(completions, answer)]
+            if len(values) != len(completions) or any(v not in (0.0, 1.0) for v in values):
+                raise ValueError(
+                    f"benchmark scorer {self.name} must return one 0 or 1 per completion; for {len(completions)} "
+                    f"completions of answer {answer!r} it returned {values!r:.200}"
+                )
+            out.extend(values)
+        return out
+
+
+def resolve_callable(value: str | Callable, option: str) -> Callable:
+    """``value`` itself when callable, else the object its import path (``package.module.name``) names.
+
+    Raises:
+        ValueError: If the path does not import, or names something that is not callable.
+    """
+    if callable(value):
+        return value
+    try:
+        found = pkgutil.resolve_name(value)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{option}={value!r} is not an importable callable ({type(err).__name__}: {err})") from err
+    if not callable(found):
+        raise ValueError(f"{option}={value!r} names a {type(found).__name__}, not a callable")
+    return found
+
+
+def prompt_builder(template: str | Callable[[str], str], option: str) -> Callable[[str], str]:
+    """The ``question -> prompt`` function of a benchmark file's ``template`` (``Evaluation``'s ``BenchmarkFile``).
+
+    Raises:
+        ValueError: For a format string whose fields are not exactly ``{question}``, or an import path that
+            does not name a callable.
+    """
+    if callable(template) or "{" not in template:
+        try:
+            return resolve_callable(template, option)
+        except ValueError as err:
+            raise ValueError(f"{err}; a format string needs a {{question}} field") from err
+    try:
+        template.format(question="")
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"{option}={template!r}: a format string may only use {{question}} ({err!r})") from err
+    if "{question}" not in template:
+        raise ValueError(f"{option}={template!r}: a format string must contain {{question}}")
+    return lambda question: template.format(question=question)
 
 
 MATH500_HUB = DataSource("HuggingFaceH4/MATH-500", {"problem": "problem", "answer": "answer"}, None, "test")

@@ -9,6 +9,11 @@ paper's Table 1 layout, "greedy / avg@n" in percent per benchmark. Examples::
 
 Benchmarks are read from their hub datasets by default; ``--data-dir ../shared/data`` reads the local copies
 instead, and ``--source NAME=PATH`` overrides one benchmark (a JSONL file, a dataset folder or a hub name).
+``--benchmark-file`` adds a benchmark of your own, as the ``Evaluation`` callback's ``BenchmarkFile`` in JSON
+(``--benchmarks`` with no name then leaves out the paper's)::
+
+    python scripts/evaluate.py --ckpt last.ckpt --benchmarks --benchmark-file \
+        '{"name": "sums", "path": "sums.jsonl", "template": "{question}=", "scorer": "my_project.exact_match"}'
 A checkpoint is a file or the sharded folder FSDP2 writes; with ``--ckpt``, ``--actor`` names a local copy of the
 checkpoint's actor (for a hub actor on an offline machine). A mistake in an option, a data file or the
 checkpoint prints one line and exits with status 2, as ``python -m lit_gmc`` does.
@@ -20,13 +25,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lit_gmc.actor import load_actor
-from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, Suite, evaluate_suites
+from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, BenchmarkFile, Suite, evaluate_suites, file_suite
 from lit_gmc.callbacks.metrics import PAPER_KS
 from lit_gmc.data.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
 from lit_gmc.data.engines import HFEngine
@@ -41,7 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint of lit_gmc fit, a file or a sharded folder (its actor.* weights)")  # fmt: skip
     parser.add_argument("--actor", help='"tiny", a hub name or a local path of a causal LM, evaluated as is; '
                         "with --ckpt, the model its weights go into (default: the checkpoint's actor)")  # fmt: skip
-    parser.add_argument("--benchmarks", nargs="+", default=list(PAPER_BENCHMARKS), choices=list(BENCHMARKS))
+    parser.add_argument("--benchmarks", nargs="*", default=list(PAPER_BENCHMARKS), choices=list(BENCHMARKS))
+    parser.add_argument("--benchmark-file", action="append", default=[], metavar="JSON",
+                        help='a benchmark of your own: {"name", "path", "question", "answer", "template", "scorer", '
+                        '"samples", "title"} as the Evaluation callback\'s BenchmarkFile (repeatable)')  # fmt: skip
     parser.add_argument("--data-dir", default=None, help="folder of local benchmark copies (default: the hub)")
     parser.add_argument(
         "--source",
@@ -80,6 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sources = parse_sources(args.source)
     except ValueError as err:
         problems.append(str(err))
+    try:
+        args.files = [parse_benchmark_file(text) for text in args.benchmark_file]
+    except ValueError as err:
+        problems.append(str(err))
+    names = args.benchmarks + [spec.name for spec in getattr(args, "files", [])]
+    if not names:
+        problems.append("no benchmark: name some with --benchmarks or add --benchmark-file")
+    elif len(set(names)) != len(names):
+        problems.append(f"benchmark names must be distinct, got {names}")
     if problems:
         parser.error("; ".join(problems))
     return args
@@ -105,6 +123,18 @@ def parse_sources(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"--source {pair!r} must be NAME=PATH with NAME one of {', '.join(BENCHMARKS)}")
         sources[name] = path
     return sources
+
+
+def parse_benchmark_file(text: str) -> BenchmarkFile:
+    """A ``--benchmark-file`` JSON object as a :class:`BenchmarkFile`; raises ``ValueError`` naming the mistake."""
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise TypeError("not a JSON object")
+        return BenchmarkFile(**fields)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--benchmark-file {text!r}: {err} (fields: name, path, question, answer, template, "
+                         "scorer, samples, title)") from err  # fmt: skip
 
 
 def load_policy(ckpt: str | None, actor: str | None) -> tuple[torch.nn.Module, Any, str]:
@@ -151,6 +181,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     except OSError as err:
         raise UserError(f"--output {args.output}: cannot write there ({err})") from err
     benchmarks = load_benchmarks(args)
+    for spec in args.files:  # their data, template and scorer checked before the model too; built again below
+        file_suite(spec, None, lambda: None, args.ks)
     model, tokenizer, actor = load_policy(args.ckpt, args.actor)
     # from_model samples with a copy: make it on the CPU and move only the copy, so the device holds one model.
     engine = HFEngine.from_model(model, tokenizer, batch_rows=args.batch_rows)
@@ -163,14 +195,24 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
         n = args.samples or bench.samples
         suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n)))
-    scorer = MathScorer(num_workers=args.verifier_workers, cut_at_next_problem=args.cut_at_next_problem)
+    scorers: list[MathScorer] = []  # the math scorer starts verifier processes: only when a benchmark needs it
+
+    def math_scorer() -> MathScorer:
+        if not scorers:
+            scorers.append(MathScorer(num_workers=args.verifier_workers, cut_at_next_problem=args.cut_at_next_problem))
+        return scorers[0]
+
     start = time.perf_counter()
     try:
-        results = evaluate_suites(engine, tokenizer, scorer, suites, args.max_new_tokens, args.seed)
+        suites = [replace(suite, scorer=math_scorer()) for suite in suites]
+        suites += [file_suite(spec, tokenizer, math_scorer, args.ks, args.samples, args.limit, max_prompt)
+                   for spec in args.files]  # fmt: skip
+        results = evaluate_suites(engine, tokenizer, None, suites, args.max_new_tokens, args.seed)
     finally:
-        scorer.close()
+        for scorer in scorers:
+            scorer.close()
         engine.close()
-    settings = {k: v for k, v in vars(args).items() if k not in ("output", "source")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "source", "files")}
     report = {"actor": actor, "settings": settings, "seconds": round(time.perf_counter() - start, 2), **results}
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(table(results))

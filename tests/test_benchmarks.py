@@ -96,3 +96,17 @@ def test_local_paths_and_hub_names_are_told_apart(tmp_path):
     assert not is_local("HuggingFaceH4/MATH-500")
     # Only a JSON file is read as one; a folder goes through load_dataset(folder, config, split) like a hub name.
     assert is_file_source("data/x.jsonl") and not is_file_source(str(tmp_path))
+
+
+def test_a_users_benchmark_file_keeps_its_text_answers_verbatim(tmp_path):
+    from lit_gmc.data.benchmarks import load_file_items
+    from lit_gmc.errors import UserError
+
+    path = tmp_path / "own.jsonl"
+    rows = [{"q": "x", "a": "$5$"}, {"q": "y", "a": 27.0}, {"q": "z", "a": 3}, {"q": "w", "a": 0.5}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    items = load_file_items(str(path), question="q", answer="a")
+    assert [(it.problem, it.answer) for it in items] == [("x", "$5$"), ("y", "27"), ("z", "3"), ("w", "0.5")]
+    path.write_text(json.dumps({"q": "x", "a": False}) + "\n\n" + json.dumps({"q": "y", "a": True}) + "\n")
+    with pytest.raises(UserError, match=r"own\.jsonl:1: field 'answer' \(column 'a'\) must be str or int or float"):
+        load_file_items(str(path), question="q", answer="a")

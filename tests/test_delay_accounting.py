@@ -145,3 +145,39 @@ def test_moments_are_the_float64_torch_means_bit_for_bit_where_those_are_exact()
         moments.update(torch.tensor([], dtype=torch.long))
     with pytest.raises(ValueError, match="must be >= 0"):
         moments.update(torch.tensor([3.0, float("nan"), -1.0]))
+
+
+def test_gradient_accumulation_logs_once_per_optimizer_step_with_the_updates_pooled_delays(tmp_path):
+    # 8 batches, 2 per optimizer step: 4 updates, logged at global steps 0..3 (as the issue's user expected,
+    # instead of one record per batch at -1, 0, 0, 1, 1, ...). Update k trains on batches 2k and 2k+1, so its
+    # delays are both batches' trajectories together.
+    accounting = DelayAccounting(histogram_every_n_steps=2)
+    trainer(tmp_path, [accounting], max_steps=4, accumulate_grad_batches=2, enable_checkpointing=False).fit(
+        DelayModule(), loader(per_length=0.5)
+    )
+    scalars = read_scalars(tmp_path / "run")
+    pooled = [[float(t) for t in DELAYS[2 * k] + DELAYS[2 * k + 1]] for k in range(4)]
+    for tag in ("delay/running_mean", "delay/tau_bar_2", "delay/tau_bar_4", "delay/predicted_mean"):
+        assert [step for step, _ in scalars[tag]] == [0, 1, 2, 3], tag
+    for n in range(4):
+        for tag, p in (("delay/running_mean", 1), ("delay/tau_bar_2", 2), ("delay/tau_bar_4", 4)):
+            expected = sum(sum(t**p for t in d) / len(d) for d in pooled[: n + 1]) / (n + 1)
+            assert dict(scalars[tag])[n] == pytest.approx(expected, rel=1e-6), (tag, n)
+        lengths = [x for k in range(2 * n + 2) for x in LENGTHS[k]]
+        assert dict(scalars["delay/predicted_mean"])[n] == pytest.approx(0.5 * sum(lengths) / len(lengths), rel=1e-6)
+    assert accounting.moments.updates == 4 and accounting.pending == []
+    (events,) = (tmp_path / "run").rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"histograms": 0})
+    acc.Reload()
+    histograms = acc.Histograms("delay/histogram")
+    assert [(h.step, h.histogram_value.num) for h in histograms] == [(0, 4.0), (2, 4.0)]
+    assert histograms[1].histogram_value.sum == pytest.approx(sum(pooled[2]))
+
+
+def test_lengths_are_required_with_a_clock_prediction(tmp_path):
+    class NoLengths(DelayModule):
+        def training_step(self, batch, batch_idx):
+            return {"loss": ((self.w - 1.0) ** 2).sum(), "delays": batch.delays}
+
+    with pytest.raises(KeyError, match="DelayAccounting needs training_step to return 'response_lengths'"):
+        trainer(tmp_path, [DelayAccounting()], enable_checkpointing=False).fit(NoLengths(), loader(0.5))

@@ -14,10 +14,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from run_helpers import tiny_data
 
 from lit_gmc.actor import build_char_tokenizer
-from lit_gmc.callbacks.evaluation import Evaluation, Suite, evaluate_suites, scalars_of
+from lit_gmc.callbacks.evaluation import BenchmarkFile, Evaluation, Suite, evaluate_suites, scalars_of
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.cli import GMCCLI
+from lit_gmc.data.benchmarks import CompletionScorer
 from lit_gmc.data.math_data import MathScorer, make_prompts
+from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 from lit_gmc.tblog import read_scalars
 
@@ -136,6 +138,109 @@ def test_callbacks_stay_light():
                                              "lit_gmc.callbacks.metrics"]))  # fmt: skip
 
 
+def exact_match(completions, answer):
+    """A user's scorer, named by import path in the tests below: the stripped completion equals the answer."""
+    return [float(c.strip() == answer) for c in completions]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_benchmark_file_brings_its_own_columns_template_and_scorer(tmp_path):
+    sums = write_jsonl(tmp_path / "sums.jsonl", [{"q": "2+3", "target": 5.0}, {"q": "1+1", "target": "2"}])
+    tokenizer = build_char_tokenizer("".join(chr(c) for c in range(32, 127)))
+    engine = ScriptedEngine(tokenizer, greedy={"5": " 5", "2": "3"}, sampled={"5": ["5", "6", "5 ", "x"],
+                                                                               "2": ["2", "2", "1", "0"]})  # fmt: skip
+    callback = Evaluation(
+        benchmarks=[BenchmarkFile("sums", str(sums), question="q", answer="target", template="Q: {question} =",
+                                  scorer="test_evaluation.exact_match", samples=4)],
+        ks=(1, 2, 4), engine=engine, tokenizer=tokenizer, max_new_tokens=3,
+    )  # fmt: skip
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    callback.setup(trainer, None, "fit")
+    (suite,) = callback.suites
+    assert [(p.id, p.text, p.answer) for p in suite.prompts] == [(0, "Q: 2+3 =", "5"), (1, "Q: 1+1 =", "2")]
+    assert (suite.name, suite.title, suite.n, suite.ks) == ("sums", "sums", 4, (1, 2, 4))
+    assert callback.scorer is None  # no math scorer was built: nothing needs it
+    results = callback.run(trainer)
+    assert json.loads((tmp_path / "eval" / "step_0.json").read_text())["benchmarks"] == results["benchmarks"]
+    entry = results["benchmarks"]["sums"]
+    # greedy: " 5" is right, "3" is wrong; samples: 2 of 4 ("5", "5 ") and 2 of 4 ("2", "2")
+    assert entry == pytest.approx({"title": "sums", "problems": 2, "n": 4, "greedy": 0.5, "avg@n": 0.5,
+                                   "pass@1": 0.5, "pass@2": 5 / 6, "pass@4": 1.0})  # fmt: skip
+    assert set(scalars_of(results)) >= {"eval/sums/greedy", "eval/sums/avg@4", "eval/sums/pass@4"}
+    callback.teardown(trainer, None, "fit")
+
+
+def test_a_benchmark_file_takes_callables_and_sits_beside_a_registered_benchmark(tmp_path, shared_data):
+    words = write_jsonl(tmp_path / "words.jsonl", [{"question": "cat", "answer": "tac"}])
+    tokenizer = build_char_tokenizer("".join(chr(c) for c in range(32, 127)))
+    engine = ScriptedEngine(tokenizer, greedy={"tac": "tac", "27": "\\boxed{27}"},
+                            sampled={"tac": ["tac", "cat"], "27": ["\\boxed{27}", "\\boxed{1}"]})  # fmt: skip
+    reverse = BenchmarkFile("reverse", str(words), template=lambda q: f"reverse {q}:", scorer=exact_match, samples=2,
+                            title="Reverse")  # fmt: skip
+    callback = Evaluation(benchmarks=["amc23", reverse], data_dir=str(shared_data), samples=2, max_problems=1,
+                          engine=engine, tokenizer=tokenizer, verifier_workers=1)  # fmt: skip
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    callback.setup(trainer, None, "fit")
+    try:
+        amc, rev = callback.suites
+        assert amc.prompts[0].text.endswith("Solution:") and amc.scorer is callback.scorer  # the math template
+        assert isinstance(callback.scorer, MathScorer) and isinstance(rev.scorer, CompletionScorer)
+        assert [(p.text, p.answer) for p in rev.prompts] == [("reverse cat:", "tac")] and rev.title == "Reverse"
+        results = callback.run(trainer)
+    finally:
+        callback.teardown(trainer, None, "fit")
+    assert results["benchmarks"]["reverse"]["greedy"] == 1.0 and results["benchmarks"]["reverse"]["avg@n"] == 0.5
+    assert results["benchmarks"]["amc23"]["greedy"] == 1.0 and results["benchmarks"]["amc23"]["avg@n"] == 0.5
+    assert callback.state_key == Evaluation(benchmarks=["amc23", reverse]).state_key  # names only, no reprs
+
+
+def test_benchmark_file_mistakes_name_the_benchmark_and_the_option(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"question": "a", "answer": "b"}])
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    tokenizer = build_char_tokenizer()
+    cases = [
+        (BenchmarkFile("t", str(good), template="{question} {answer}"), "'t': template='{question} {answer}'"),
+        (BenchmarkFile("t", str(good), template="Q:"), "'t': template='Q:' is not an importable callable"),
+        (BenchmarkFile("t", str(good), scorer="no_such_module.score"), "'t': scorer='no_such_module.score' is not"),
+        (BenchmarkFile("t", str(good), scorer="json.__doc__"), "'t': scorer='json.__doc__' names a str, not a"),
+        (BenchmarkFile("t", str(good), question="q"), "'t': .*good.jsonl: no column 'q'"),
+        (BenchmarkFile("t", str(tmp_path / "missing.jsonl")), "'t': data not found"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(UserError, match=f"^Evaluation: benchmark {message}"):
+            Evaluation(benchmarks=[spec], engine=ScriptedEngine(tokenizer, {}, {}), tokenizer=tokenizer).setup(
+                trainer, None, "fit"
+            )
+    with pytest.raises(UserError) as err:
+        Evaluation(benchmarks=[BenchmarkFile("gsm8k", "a.jsonl", samples=0), "gsm8k"])
+    assert "must have distinct names" in str(err.value) and "samples=0 must be >= 1" in str(err.value)
+
+
+def test_a_scorer_that_is_not_0_1_is_named():
+    scorer = CompletionScorer(lambda completions, answer: [0.5] * len(completions), "half")
+    with pytest.raises(ValueError, match="scorer half must return one 0 or 1 per completion"):
+        scorer.score_pairs([("a", "x"), ("b", "x")])
+    calls = []
+    counted = CompletionScorer(lambda c, a: calls.append((list(c), a)) or [1.0] * len(c), "ok")
+    assert counted.score_pairs([("a", "x"), ("b", "x"), ("c", "y")]) == [1.0, 1.0, 1.0]
+    assert calls == [(["a", "b"], "x"), (["c"], "y")]  # one call per problem's run of samples
+
+
+def test_benchmark_files_come_from_yaml_through_the_cli_parser():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(Evaluation, "evaluation")
+    config = parser.parse_args(['--evaluation.benchmarks=[gsm8k, {name: sums, path: s.jsonl, template: "{question}=",'
+                                ' scorer: my_project.exact}]'])  # fmt: skip
+    benchmarks = parser.instantiate(config).evaluation.benchmarks
+    assert benchmarks == ["gsm8k", BenchmarkFile("sums", "s.jsonl", template="{question}=", scorer="my_project.exact")]
+
+
 def make_run(root: Path, shared_data: Path, max_steps: int, ckpt_dir: Path):
     model = GMCModule(actor="tiny", max_response_length=4)
     data = tiny_data(0, actor="tiny", group_size=2, batch_prompts=2, max_new_tokens=4,
@@ -214,6 +319,32 @@ def test_evaluate_script_rejects_bad_options(capsys):
     assert "--source 'mmlu=x.jsonl' must be NAME=PATH" in capsys.readouterr().err
 
 
+def test_evaluate_script_takes_a_benchmark_file_of_ones_own(tmp_path, capsys):
+    sums = write_jsonl(tmp_path / "sums.jsonl", [{"expr": f"{a}+{a}", "sum": 2 * a} for a in range(4)])
+    spec = {"name": "sums", "path": str(sums), "question": "expr", "answer": "sum", "template": "{question}=",
+            "scorer": "test_evaluation.exact_match", "samples": 2, "title": "Sums"}  # fmt: skip
+    out = tmp_path / "results.json"
+    load_script().main(["--actor", "tiny", "--benchmarks", "--benchmark-file", json.dumps(spec), "--limit", "3",
+                        "--max-new-tokens", "3", "--output", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert list(report["benchmarks"]) == ["sums"] and report["benchmarks"]["sums"]["problems"] == 3
+    assert report["benchmarks"]["sums"]["n"] == 2 and "pass@2" in report["benchmarks"]["sums"]
+    assert "Sums" in capsys.readouterr().out
+
+
+def test_evaluate_script_names_benchmark_file_mistakes(capsys):
+    script = load_script()
+    for argv, message in [
+        (["--benchmark-file", "[1]"], "--benchmark-file '[1]': not a JSON object"),
+        (["--benchmark-file", '{"name": "x"}'], "missing 1 required positional argument: 'path'"),
+        (["--benchmark-file", '{"name": "gsm8k", "path": "a.jsonl"}'], "benchmark names must be distinct"),
+        (["--benchmarks"], "no benchmark: name some with --benchmarks or add --benchmark-file"),
+    ]:
+        with pytest.raises(SystemExit):
+            script.parse_args(["--actor", "tiny", *argv])
+        assert message in capsys.readouterr().err, argv
+
+
 def test_evaluate_script_reads_the_hub_unless_told_otherwise():
     script = load_script()
     args = script.parse_args(["--actor", "tiny"])
@@ -232,14 +363,20 @@ def test_qwen_configs_hold_the_paper_defaults(fragment, actor, capsys):
     config = yaml.safe_load(capsys.readouterr().out)
     model, data, trainer = config["model"], config["data"], config["trainer"]
     assert model["actor"] == f"Qwen/Qwen3-{actor}-Base"  # data.actor is linked to it
-    optimizer = (model["optimizer"], model["lr"], model["betas"], model["weight_decay"])
-    assert optimizer == ("adamw8bit", 1e-6, [0.9, 0.999], 0.0)
+    optimizer = config["optimizer"]  # LightningCLI's own optimizer and LR-schedule groups
+    assert optimizer == {"class_path": "bitsandbytes.optim.AdamW8bit",
+                         "init_args": {"lr": 1e-6, "betas": [0.9, 0.999], "weight_decay": 0.0}}  # fmt: skip
+    scheduler = config["lr_scheduler"]
+    assert (scheduler["class_path"], scheduler["init_args"]["warmup_fraction"]) == ("lit_gmc.optim.CosineWithWarmup",
+                                                                                   0.03)  # fmt: skip
     # fp32 master weights, bf16 compute; bf16 rollouts
     assert (trainer["precision"], model["dtype"], data["engine"]["init_args"]["dtype"]) == (
-        "bf16-mixed", "float32", "bfloat16")
-    assert (model["warmup_fraction"], model["max_grad_norm"]) == (0.03, 1.0)
-    # every rule keeps its own threshold and aggregation
-    assert (model["correction"], model["eps"], model["aggregation"]) == ("gmc", None, None)
+        "bf16-mixed", "float32", "bfloat16")  # fmt: skip
+    assert model["max_grad_norm"] == 1.0
+    # the rule is a component with its own threshold; its aggregation is the rule's own default
+    correction = model["correction"]
+    assert correction["class_path"] == "lit_gmc.rules.GMC"
+    assert (correction["init_args"]["cap"], correction["init_args"]["aggregation"]) == (0.28, None)
     assert (data["batch_prompts"], data["group_size"]) == (8, 8)
     assert (data["max_new_tokens"], data["temperature"], data["top_p"]) == (4096, 1.0, 1.0)
     assert data["engine"]["class_path"] == "lit_gmc.data.vllm_engine.VLLMEngine"

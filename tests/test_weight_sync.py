@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -25,7 +27,8 @@ def make_trainer(tmp_path, callbacks, max_steps: int, **kwargs) -> pl.Trainer:
 
 
 def make_pair(actor: str, steps: int):
-    module = GMCModule(actor=actor, max_response_length=4, lr=1e-3)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    module = GMCModule(actor=actor, max_response_length=4, optimizer=adamw)
     data = tiny_data(1, actor=actor, group_size=4, batch_prompts=4,
                              max_new_tokens=4, total_updates=steps)  # fmt: skip
     return module, data
@@ -96,3 +99,49 @@ def test_state_survives_checkpoint_and_resume(tmp_path):
     assert [v for v, _ in fresh.sink.calls] == [2, 3]
     assert fresh.last_synced_step == 3
     torch.testing.assert_close(fresh.sink.calls[0][1]["model.norm.weight"], sync.sink.calls[2][1]["model.norm.weight"])
+
+
+class PolicyModule(pl.LightningModule):
+    """Another project's module: its policy is ``self.policy`` (not ``self.actor``), trained on a constant batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = torch.nn.Linear(3, 2)
+        self.head = torch.nn.Linear(2, 1)  # not part of the policy: never sent under prefix "policy."
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.policy(batch)).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def constant_batches(count: int):
+    return torch.utils.data.DataLoader([torch.ones(3)] * count, batch_size=None)
+
+
+def test_prefix_selects_another_projects_policy(tmp_path):
+    sink, module = RecordingSink(), PolicyModule()
+    make_trainer(tmp_path, [WeightSync(sink, prefix="policy.")], 2, enable_checkpointing=False).fit(
+        module, constant_batches(2)
+    )
+    assert [v for v, _ in sink.calls] == [0, 1, 2]
+    assert set(sink.calls[-1][1]) == {"weight", "bias"}
+    torch.testing.assert_close(sink.calls[-1][1]["weight"], module.policy.weight.detach())
+    assert not torch.equal(sink.calls[0][1]["weight"], sink.calls[-1][1]["weight"])  # the trained weights arrived
+    everything = RecordingSink()
+    make_trainer(tmp_path, [WeightSync(everything, prefix="")], 1, enable_checkpointing=False).fit(
+        PolicyModule(), constant_batches(1)
+    )
+    assert set(everything.calls[-1][1]) == {"policy.weight", "policy.bias", "head.weight", "head.bias"}
+
+
+def test_a_prefix_that_selects_nothing_is_an_error_before_anything_is_sent(tmp_path):
+    sink = RecordingSink()
+    trainer = make_trainer(tmp_path, [WeightSync(sink)], 2, enable_checkpointing=False)
+    with pytest.raises(ValueError) as err:
+        trainer.fit(PolicyModule(), constant_batches(2))
+    message = str(err.value)
+    assert "WeightSync(prefix='actor.') would send nothing" in message and "PolicyModule" in message
+    assert "policy.weight" in message and "'policy.'" in message
+    assert sink.calls == []
