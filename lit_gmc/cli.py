@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import os
 import re
 import sys
-import time
 from argparse import ArgumentError
 from importlib.resources import files
 from pathlib import Path
@@ -20,19 +20,18 @@ from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.profilers import PassThroughProfiler
 from typing_extensions import override
 
+import lit_gmc.rules
 from lit_gmc.checkpoint import RunCheckpoint
 from lit_gmc.data import live, math_task, virtual_clock, vllm_engine  # noqa: F401  (short names: VirtualClock, ...)
 from lit_gmc.data.components import component_problems
 from lit_gmc.data.datamodule import RolloutDataModule
-from lit_gmc.eps_schedules import validate_eps_schedule_args
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
+from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec
 from lit_gmc.resume import RunSettings, check_resume, run_settings
 
-MODEL_VALIDATORS = (validate_model_args, validate_eps_schedule_args)
 DATA_COMPONENTS = ("schedule", "engine", "task")
 
 
@@ -44,18 +43,53 @@ def import_class(class_path: str) -> type:
 
 def collect_problems(config: Namespace) -> list[str]:
     """Every invalid option of a parsed ``fit``/``validate``/... config, one line each, named by its flag."""
-    problems = []
-    for validate in MODEL_VALIDATORS:  # keyword parameters named like the model's init args
-        problems += validate(**{name: config.model[name] for name in inspect.signature(validate).parameters})
+    names = inspect.signature(validate_model_args).parameters  # keyword parameters named like the model's init args
+    problems = validate_model_args(**{name: config.model[name] for name in names})
+    problems += class_problems(config.model.correction, "--model.correction")
     data = {key: value for key, value in vars(config.data).items() if key not in DATA_COMPONENTS}
     problems += component_problems(RolloutDataModule, data, "--data")
     for key in DATA_COMPONENTS:
-        spec = config.data[key]
-        if isinstance(spec, Namespace) and spec.get("class_path"):
-            init_args = spec.get("init_args")
-            init_args = init_args.as_dict() if isinstance(init_args, Namespace) else {}
-            problems += component_problems(import_class(spec.class_path), init_args, f"--data.{key}")
+        problems += class_problems(config.data[key], f"--data.{key}")
+    problems += unresolved_problems(config.get("optimizer"), "--optimizer")
+    problems += unresolved_problems(config.get("lr_scheduler"), "--lr_scheduler")
+    scheduler = config.get("lr_scheduler")
+    if isinstance(scheduler, Namespace) and scheduler.get("class_path"):
+        if issubclass(import_class(scheduler.class_path), torch.optim.lr_scheduler.ReduceLROnPlateau):
+            problems.append(
+                f"--lr_scheduler {scheduler.class_path} needs a monitored metric, but lit_gmc steps the schedule once"
+                " per update without one: use a step-based schedule (e.g. lit_gmc.optim.CosineWithWarmup)"
+            )
     return problems
+
+
+def unresolved_problems(spec: object, flag: str) -> list[str]:
+    """A problem unless a ``--optimizer``/``--lr_scheduler`` kept as a plain dict is a class of a missing package.
+
+    Such an option parses to a dict only when jsonargparse cannot resolve it: a package not installed here (the
+    Qwen3 configs' bitsandbytes, refused with one message when the optimizer is built), or a bad class or value.
+    """
+    if not isinstance(spec, dict):
+        return []
+    class_path = str(spec.get("class_path") or "")
+    package = class_path.partition(".")[0]
+    if package and importlib.util.find_spec(package) is None:
+        return []
+    shown = " ".join(f"{flag}.{key}={value}" for key, value in (spec.get("init_args") or spec).items())
+    return [f"{flag} {class_path or '(no class)'}: not a class with these options: {shown}"]
+
+
+def as_dict(value: object) -> object:
+    """A parsed ``Namespace`` as a plain dict (other values as they are)."""
+    return value.as_dict() if isinstance(value, Namespace) else value
+
+
+def class_problems(spec: object, flag: str) -> list[str]:
+    """Problems of the options of a component (``class_path`` + ``init_args``) parsed for ``flag``."""
+    if not (isinstance(spec, Namespace) and spec.get("class_path")):
+        return []
+    init_args = spec.get("init_args")
+    init_args = init_args.as_dict() if isinstance(init_args, Namespace) else {}
+    return component_problems(import_class(spec.class_path), init_args, flag)
 
 
 def bad_value(message: str) -> tuple[str, str] | None:
@@ -73,6 +107,43 @@ def bad_value(message: str) -> tuple[str, str] | None:
     names = [name.replace("NoneType", "null") for name in dict.fromkeys(names)]
     flag = "--" + ".".join(keys)
     return flag, f"{flag}={value[1].strip()}: expected {' or '.join(names)}"
+
+
+GMC_ONLY = {"cap_schedule", "cap_scale", "cap_min", "cap_max"}
+
+
+def foreign_option(message: str) -> tuple[str, str] | None:
+    """``(flag, problem)`` of a parser message about an option the chosen component class does not take, else None.
+
+    ``--model.correction GRPO --model.correction.cap 0.3`` gives ``("--model.correction.cap",
+    "--model.correction.cap: GRPO has no option cap (its options: clip, aggregation)")``.
+    """
+    key = re.search(r'Parser key "([^"]+)"', message)
+    class_path = re.search(r"class_path '([\w.]+)'", message)
+    option = re.search(r"Option '(\w+)' is not accepted", message)
+    if key is None or class_path is None or option is None:
+        return None
+    flag, name = f"--{key[1]}.{option[1]}", class_path[1].rpartition(".")[2]
+    with contextlib.suppress(ImportError, AttributeError, ValueError):
+        accepted = [p for p in inspect.signature(import_class(class_path[1])).parameters if p not in ("self", "args")]
+        name += f" has no option {option[1]} (its options: {', '.join(accepted) or 'none'})"
+    if not name.endswith(")"):
+        name += f" has no option {option[1]}"
+    if key[1] == "model.correction" and option[1] in GMC_ONLY:
+        name += "; the Corollary-1 cap schedule is GMC's alone (its rate is derived for GMC's group-mass cap)"
+    return flag, f"{flag}: {name}"
+
+
+def unknown_rule(message: str) -> tuple[str, str] | None:
+    """``("--model.correction", problem)`` when the parser could not resolve ``--model.correction`` to a class."""
+    if not message.startswith('Parser key "model.correction"') or "NestedArg" in message:
+        return None
+    bad = bad_value(message)
+    if bad is None or bad[0] != "--model.correction":
+        return None
+    value = bad[1].removeprefix("--model.correction=").split(":", 1)[0]
+    rules = ", ".join(sorted(lit_gmc.rules.__all__))  # the built-in ones (a user's are named by import path)
+    return bad[0], f"--model.correction={value} is not a rule: one of {rules}, or a Correction subclass's import path"
 
 
 def without_option(argv: list[str], flag: str) -> list[str] | None:
@@ -164,6 +235,10 @@ class GMCCLI(LightningCLI):
         commands = {cmd: defaults for cmd in ("fit", "validate", "test", "predict")}
         kwargs.setdefault("parser_kwargs", {"exit_on_error": False, **commands})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # --optimizer and --lr_scheduler are the module's init args (add_arguments_to_parser), built by the module in
+        # configure_optimizers: LightningCLI's automatic ones are built before FSDP2 shards the actor and replace the
+        # module's configure_optimizers, which steps them once per update.
+        kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(GMCModule, RolloutDataModule, *args, **kwargs)
 
     def subcommand_config(self) -> Namespace:
@@ -177,6 +252,23 @@ class GMCCLI(LightningCLI):
         parser.link_arguments("data.max_new_tokens", "model.max_response_length")
         parser.link_arguments("data.temperature", "model.temperature")
         parser.link_arguments("trainer.max_steps", "data.total_updates")
+        parser.add_argument(
+            "--optimizer",
+            type=OptimizerSpec | None,
+            default=None,
+            help="Optimizer class by import path, with its options (--optimizer.lr ...): any torch.optim.Optimizer, "
+            "e.g. torch.optim.AdamW or bitsandbytes.optim.AdamW8bit; null: torch's AdamW, lr 2e-4.",
+        )
+        parser.add_argument(
+            "--lr_scheduler",
+            type=SchedulerSpec | None,
+            default=None,
+            help="Learning-rate schedule class, stepped once per update, e.g. lit_gmc.optim.CosineWithWarmup "
+            "(--lr_scheduler.warmup_fraction 0.03); null: CosineWithWarmup without warm-up.",
+        )
+        # As plain dicts: linked as parsed, jsonargparse would merge a new class's options into the previous one's.
+        parser.link_arguments("optimizer", "model.optimizer", compute_fn=as_dict)
+        parser.link_arguments("lr_scheduler", "model.lr_scheduler", compute_fn=as_dict)
         parser.add_argument(
             "--torch_num_threads",
             type=int | None,
@@ -199,8 +291,17 @@ class GMCCLI(LightningCLI):
             try:
                 self.config = parser.parse_object(args) if argv is None else parser.parse_args(argv)
                 break
+            except (AttributeError, ModuleNotFoundError) as err:
+                # jsonargparse fails this way swapping a class it cannot import (kept as a plain dict) for another
+                if not any(arg.startswith(("--optimizer", "--lr_scheduler")) for arg in argv or []):
+                    raise
+                raise UserError(
+                    f"{err}: an --optimizer or --lr_scheduler class of a package that is not installed here cannot be "
+                    "swapped for another directly; give the flag null first (--optimizer null --optimizer "
+                    "torch.optim.AdamW ...) or install the package"
+                ) from err
             except ArgumentError as err:
-                bad = bad_value(str(err)) if argv is not None else None
+                bad = (foreign_option(str(err)) or unknown_rule(str(err)) or bad_value(str(err))) if argv else None
                 rest = without_option(argv, bad[0]) if bad else None
                 if rest is None:
                     raise UserError(parse_error_message(str(err), argv or [], noted)) from None
@@ -217,6 +318,7 @@ class GMCCLI(LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         if config.checkpoint.dirpath is None:
             config.checkpoint.dirpath = checkpoint_dir(config.trainer.logger)
+        plan_schedule(config)
         problems = noted + collect_problems(config)
         if problems:
             raise UserError("invalid options:\n  " + "\n  ".join(problems))
@@ -248,66 +350,30 @@ class GMCCLI(LightningCLI):
         bar = trainer.progress_bar_callback
         if type(bar) is RichProgressBar and not any(c is bar for c in configured):  # Lightning's default bar
             trainer.callbacks[trainer.callbacks.index(bar)] = UpdateProgressBar()
-        if type(trainer.profiler) is PassThroughProfiler:  # no --trainer.profiler given
-            trainer.profiler = NoProfiler()
         return trainer
 
 
 class UpdateProgressBar(RichProgressBar):
-    """Lightning's rich progress bar, its training bar titled ``updates`` rather than by epoch, redrawn twice a second.
-
-    Its count and metrics are updated at most ``refresh_rate`` times a second too, and always at an epoch's first
-    batch and at the epoch's or the run's last one.
+    """Lightning's rich progress bar, its training bar titled ``updates`` rather than by epoch.
 
     A run is one epoch of rollout batches that ends at ``max_steps``; Lightning then counts ``max_epochs`` as -1
     and the stock bar reads ``Epoch 0/-2``. The bar the trainer makes by default is replaced by this one; a
-    progress bar given in ``trainer.callbacks`` is kept as it is.
-
-    Lightning's default ``refresh_rate`` of 100 has a thread build the whole bar after every update of a tiny run
-    (~13 a second), drawn or not: ~1.2 ms of CPU an update when the output goes to a file, ~3.4 ms in a terminal,
-    against ~0.1 and ~0.5 ms at 2 (``scripts/bench_threads.py``; ``docs/performance.md``, fourth round). Twice a
-    second is also the rate at which Lightning's bar redraws its elapsed-time column.
+    progress bar given in ``trainer.callbacks`` is kept as it is. ``refresh_rate``: redraw every that many updates.
     """
-
-    clock = time.monotonic  # a builtin: not bound as a method
-
-    def __init__(self, refresh_rate: int = 2, **kwargs: Any) -> None:
-        super().__init__(refresh_rate=refresh_rate, **kwargs)
-        self._next_update = 0.0  # the clock's time after which the next batch updates the bar
-
-    @override
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: Any) -> None:
-        self._next_update = 0.0  # an epoch's first batch updates the bar
-        super().on_train_epoch_start(trainer, pl_module)
-
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Lightning's bar updates its count and metrics after every batch, though they are drawn only refresh_rate
-        # times a second: here at most that often, and always at the epoch's or the run's last batch (~0.13 ms an
-        # update otherwise, docs/performance.md, fifth round).
-        now = self.clock()
-        last = batch_idx + 1 >= trainer.num_training_batches or 0 < trainer.max_steps <= trainer.global_step
-        if self.is_enabled and self.train_progress_bar_id is not None and now < self._next_update and not last:
-            return
-        self._next_update = now + 1 / self.refresh_rate if self.is_enabled else 0.0
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
         return "updates"
 
 
-class NoProfiler(PassThroughProfiler):
-    """Lightning's default profiler (none), whose ``profile`` context costs nothing; the CLI's default.
+def plan_schedule(config: Namespace) -> None:
+    """Give ``CosineWithWarmup`` the run's length, ``--trainer.max_steps``, when ``total_steps`` is not set.
 
-    Lightning enters ``trainer.profiler.profile(name)`` around every hook of every callback and around each of its
-    own steps, ~95 times an update of the tiny job with the default callbacks. The stock profiler's context is a
-    generator (``contextlib.contextmanager``), ~2 us to enter and leave for nothing; this one hands back one shared
-    ``nullcontext`` (~0.5 us). A profiler given with ``--trainer.profiler`` is kept as it is.
+    A link by hand: jsonargparse cannot link into the options of a class chosen on the command line.
     """
-
-    _NOTHING = contextlib.nullcontext()
-
-    @override
-    def profile(self, action_name: str) -> contextlib.nullcontext:
-        return self._NOTHING
+    scheduler = config.get("lr_scheduler")
+    if not (isinstance(scheduler, Namespace) and scheduler.get("class_path")):
+        return
+    if import_class(scheduler.class_path) is CosineWithWarmup and scheduler.init_args.get("total_steps") is None:
+        scheduler.init_args.total_steps = config.trainer.max_steps
+        config.model.lr_scheduler = scheduler.as_dict()  # the module's copy, linked before this

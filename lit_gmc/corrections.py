@@ -1,24 +1,31 @@
-"""The registry of off-policy corrections: one function per rule, one entry per name.
+"""The off-policy rule as a component: the :class:`Correction` base class and what a rule sees and returns.
 
-A rule maps the policy terms of a micro-batch of whole groups to a per-token loss (aggregated by the
-caller with the batch-wide normaliser) plus detached diagnostics. Adding a rule is one function and one
-``register`` call; :class:`lit_gmc.module.GMCModule` never branches on the name.
+Every rule is a subclass of :class:`Correction` in its own file under :mod:`lit_gmc.rules`, owning its
+threshold(s) under its own name (GMC's ``cap``, GRPO's ``clip``, VCPO's ``c``, ...) and its loss ``aggregation``.
+LightningCLI builds it from ``class_path`` + ``init_args`` like a delay schedule, so ``--model.correction GRPO
+--model.correction.clip 0.25`` works and an option of one rule cannot be given to another. The registry is the set
+of subclasses (:func:`registered_rules`); :class:`lit_gmc.module.GMCModule` never branches on the rule.
 
-Rules that also change the optimizer step (VCPO's step size, GAC's gradient projection) attach a
-:class:`StepRule` to their entry; the module calls its hooks around ``optimizer.step``.
+A rule maps the policy terms of a micro-batch of whole groups to a per-token loss (aggregated by the module with
+the batch-wide normaliser) plus detached diagnostics. Rules that change the optimizer step (VCPO's step size,
+GAC's gradient projection) override :meth:`Correction.before_step` / :meth:`Correction.after_step`, and rules with
+state across updates (GAC's previous gradient, GMC's running delay moments) :meth:`Correction.state_dict`; the
+module checkpoints it. The math lives in :mod:`lit_gmc.objectives` and :mod:`lit_gmc.baselines`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lit_gmc import objectives as O
-from lit_gmc.objectives import Aggregation
+
+AGGREGATIONS = ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,8 @@ class PolicyTerms:
         rewards: ``(n,)`` rewards.
         delays: ``(n,)`` delay ``tau = n_step - s`` of each row (long).
         group_size: ``G``.
-        grad_norms_sq: ``(n,)`` exact ``||grad_theta log pi_theta(y_i)||^2`` per row, filled only for rules whose
-            entry sets ``needs_grad_norms`` (VCPO's baseline); ``None`` otherwise.
+        grad_norms_sq: ``(n,)`` exact ``||grad_theta log pi_theta(y_i)||^2`` per row, filled only for rules that
+            set ``needs_grad_norms`` (VCPO's baseline); ``None`` otherwise.
     """
 
     token_logprobs: Tensor
@@ -65,115 +72,102 @@ class CorrectionOutput:
     extra: dict[str, Tensor] = field(default_factory=dict)
 
 
-class StepRule(Protocol):
-    """Optional per-step rule of a correction, called by the module around the optimizer step."""
+def positive_problem(name: str, value: float) -> list[str]:
+    """``["name=value must be finite and > 0"]`` unless it is; the check every threshold shares."""
+    return [] if value > 0 and math.isfinite(value) else [f"{name}={value} must be finite and > 0"]
+
+
+def aggregation_problem(aggregation: str | None) -> list[str]:
+    """A problem line unless ``aggregation`` is one of :data:`AGGREGATIONS` (or None: the rule's own)."""
+    if aggregation is None or aggregation in AGGREGATIONS:
+        return []
+    return [f"aggregation={aggregation!r} is not one of {', '.join(AGGREGATIONS)}"]
+
+
+class Correction(ABC):
+    """Base of the off-policy rules; a subclass is one rule (``--model.correction <ClassName>``).
+
+    A subclass takes only its own options, each documented in its docstring's ``Args`` (that becomes ``--help``),
+    checks them in a static ``option_problems`` named like its init args (the CLI reports every bad option of a run
+    at once through it) and calls ``super().__init__(aggregation or <its authors' aggregation>)``. A rule's
+    ``aggregation`` option defaults to ``None`` rather than its value: jsonargparse carries the options a new
+    ``--model.correction`` shares with the previous one over to it, and a default written out would then replace
+    the new rule's own.
+
+    Args:
+        aggregation: ``seq_sum_over_T`` (the paper's ``1/(T B G)``), ``token_mean`` or ``seq_mean_token_mean``.
+    """
+
+    needs_grad_norms: ClassVar[bool] = False
+    """The rule reads ``PolicyTerms.grad_norms_sq``; the module then computes them (costly: one extra backward per
+    trajectory), so only rules that need them ask."""
+
+    def __init__(self, aggregation: O.Aggregation) -> None:
+        self.aggregation = aggregation
+
+    def __repr__(self) -> str:
+        """``GMC(cap=0.28, aggregation='seq_sum_over_T')``: the class and its plain options (how hparams show it)."""
+        options = {k: v for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, (int, float, str))}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+
+    @abstractmethod
+    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+        """The per-token loss and diagnostics of one micro-batch."""
+
+    @property
+    def threshold(self) -> float | None:
+        """This update's threshold, logged as ``correction/eps`` (cap, clip, ``c``...); None for a rule without."""
+        return None
+
+    def begin_update(self, delays: Tensor, total_updates: int) -> None:
+        """Called once per update, in order, before its loss, with the ``(n,)`` delays of the whole batch.
+
+        ``total_updates`` is the planned number of updates (``--trainer.max_steps``).
+        """
+        del delays, total_updates
 
     def before_step(
         self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]
     ) -> dict[str, float]:
-        """Adjust gradients or step size before clipping and the step; returns scalars to log."""
+        """Adjust gradients or step size before clipping and the optimizer step; returns scalars to log."""
+        del parameters, optimizer, stats
+        return {}
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Undo any temporary change (e.g. restore the learning rate)."""
+        """Undo any temporary change of :meth:`before_step` (e.g. restore the learning rate)."""
+        del optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """The rule's checkpointable state."""
+        """State carried across updates, saved in checkpoints (plain containers and tensors)."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict`."""
+        """Restore :meth:`state_dict`."""
+        del state
+
+    @staticmethod
+    def option_problems(aggregation: str | None) -> list[str]:
+        """Every problem with the options, one line each, named like the init args."""
+        return aggregation_problem(aggregation)
 
 
-CorrectionFn = Callable[[PolicyTerms, float], CorrectionOutput]
+def registered_rules() -> dict[str, type[Correction]]:
+    """Every rule class by its short name, alphabetically (the subclasses of :class:`Correction` imported so far)."""
+    import lit_gmc.rules  # noqa: F401  (the built-in rules register by being imported)
+
+    found: dict[str, type[Correction]] = {}
+    pending = list(Correction.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        if not getattr(cls, "__abstractmethods__", None):
+            found.setdefault(cls.__name__, cls)
+        pending.extend(cls.__subclasses__())
+    return dict(sorted(found.items()))
 
 
-@dataclass(frozen=True)
-class Correction:
-    """A registry entry.
-
-    Attributes:
-        fn: The rule ``(terms, eps) -> CorrectionOutput``.
-        default_eps: Threshold used when the config leaves ``eps`` unset.
-        aggregation: The loss aggregation its authors used (overridable in the config).
-        step_rule: Factory of the optional :class:`StepRule` (one instance per module).
-        needs_grad_norms: The rule reads ``PolicyTerms.grad_norms_sq``; the module then computes them (costly:
-            one extra backward per trajectory), so only rules that need them ask.
-    """
-
-    fn: CorrectionFn
-    default_eps: float
-    aggregation: Aggregation
-    step_rule: Callable[[], StepRule] | None = None
-    needs_grad_norms: bool = False
-
-
-CORRECTIONS: dict[str, Correction] = {}
-
-
-def register(name: str, correction: Correction) -> None:
-    """Add ``correction`` to :data:`CORRECTIONS` under ``name``; a name can be registered only once."""
-    if name in CORRECTIONS:
-        raise ValueError(f"correction {name!r} is already registered")
-    CORRECTIONS[name] = correction
-
-
-def _trajectory_rule(terms: PolicyTerms, coefficients: Tensor, advantages: Tensor, log_rho: Tensor) -> CorrectionOutput:
+def trajectory_output(
+    terms: PolicyTerms, coefficients: Tensor, advantages: Tensor, log_rho: Tensor
+) -> CorrectionOutput:
+    """The output of a trajectory-level rule: surrogate ``-sg(c_i A_i) log pi_theta(y_i)`` per token."""
     loss = O.surrogate_token_loss(coefficients * advantages, terms.token_logprobs, terms.mask)  # (n, L)
     return CorrectionOutput(loss, log_rho.detach(), coefficients.detach(), advantages.detach())
-
-
-def gmc(terms: PolicyTerms, eps: float) -> CorrectionOutput:
-    """GMC-GRPO (the paper, eq. 9 and 12): cap each group's mean ratio at ``1 + eps`` by one shared factor.
-
-    ``rho_hat_i = rho_i / max(1, rho_bar / (1 + eps))`` with the factor treated as a constant, leave-one-out
-    advantages, surrogate ``-sg(rho_hat_i A_i) log pi_theta(y_i)``.
-    """
-    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask)  # (n,)
-    coef = O.gmc_coefficients(log_rho, terms.group_size, eps)  # (n,)
-    adv = O.leave_one_out_advantages(terms.rewards, terms.group_size)  # (n,)
-    return _trajectory_rule(terms, coef, adv, log_rho)
-
-
-def tic(terms: PolicyTerms, eps: float) -> CorrectionOutput:
-    """TIC-GRPO as the paper states it (eq. 35, Remark 1): drop trajectories with ``rho_i > 1 + eps``.
-
-    ``w_i = 1{rho_i <= 1 + eps}`` regardless of the advantage's sign; leave-one-out advantages.
-    """
-    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask)  # (n,)
-    coef = O.tic_coefficients(log_rho, eps)  # (n,)
-    adv = O.leave_one_out_advantages(terms.rewards, terms.group_size)  # (n,)
-    return _trajectory_rule(terms, coef, adv, log_rho)
-
-
-def importance_sampling(terms: PolicyTerms, eps: float) -> CorrectionOutput:
-    """Unclipped trajectory importance sampling (eq. 2); ``eps`` is unused. Unstable: a reference only."""
-    del eps
-    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask)  # (n,)
-    coef = O.is_coefficients(log_rho)  # (n,)
-    adv = O.leave_one_out_advantages(terms.rewards, terms.group_size)  # (n,)
-    return _trajectory_rule(terms, coef, adv, log_rho)
-
-
-def grpo(terms: PolicyTerms, eps: float) -> CorrectionOutput:
-    """Vanilla GRPO (Shao et al. 2024): token-level two-sided PPO clip, group-centred advantages.
-
-    Dual clip off. The reported coefficient is the unclipped trajectory ratio, since the token clip has no
-    trajectory weight of its own.
-    """
-    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
-    adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
-    loss = O.ppo_clip_token_loss(terms.token_logprobs, terms.behavior_logprobs, terms.mask, adv, eps)  # (n, L)
-    ratio = torch.exp((terms.token_logprobs.detach() - terms.behavior_logprobs).clamp(max=80.0))  # (n, L)
-    clipped = ((ratio < 1.0 - eps) | (ratio > 1.0 + eps)) & terms.mask  # (n, L)
-    frac = clipped.sum() / terms.mask.sum().clamp(min=1)
-    return CorrectionOutput(
-        loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), {"grpo/clip_fraction": frac}
-    )
-
-
-register("gmc", Correction(gmc, default_eps=0.28, aggregation="seq_sum_over_T"))
-register("tic", Correction(tic, default_eps=0.28, aggregation="seq_sum_over_T"))
-register("is", Correction(importance_sampling, default_eps=0.28, aggregation="seq_sum_over_T"))
-register("grpo", Correction(grpo, default_eps=0.2, aggregation="seq_mean_token_mean"))
-
-# The baselines (VCPO, GAC, A-3PO, CISPO, TIS) register themselves; imported last because they build on the above.
-import lit_gmc.baselines  # noqa: E402, F401

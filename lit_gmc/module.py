@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -19,63 +19,26 @@ from typing_extensions import override
 from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
-from lit_gmc.corrections import CORRECTIONS, CorrectionOutput, PolicyTerms
+from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
 from lit_gmc.distributed import gather_ragged, gather_rows, local_part, rank_and_world, sum_across
-from lit_gmc.eps_schedules import build_eps_schedule, validate_eps_schedule_args
 from lit_gmc.logprobs import response_logprobs
+from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, build_optimizer, build_scheduler
+from lit_gmc.resume import plain
+from lit_gmc.rules import GMC
 from lit_gmc.strategies import FSDP2Strategy  # noqa: F401  (registers --trainer.strategy fsdp2)
 
-# Rules whose eps Corollary 1's rate is derived for: GMC's group-mass cap. TIC also has a 1 + eps cap, but it removes
-# the mass of trajectories with rho > 1 + eps, a different bias term with no derived rate (see lit_gmc.eps_schedules).
-CAPPED_RULES = ("gmc",)
-Aggregation = Literal["seq_sum_over_T", "token_mean", "seq_mean_token_mean"]
-Optimizer = Literal["adamw", "adamw8bit"]
 DType = Literal["float32", "bfloat16", "float64"]
-EpsSchedule = Literal["constant", "corollary1"]
-AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
-OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def validate_model_args(
-    *,
-    correction: str,
-    eps: float | None,
-    aggregation: str | None,
-    lr: float,
-    warmup_fraction: float,
-    optimizer: str,
-    max_grad_norm: float | None,
-    micro_batch_groups: int,
-    logit_chunk_tokens: int,
-    dtype: str,
-    eps_schedule: str = "constant",
+    *, max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str
 ) -> list[str]:
-    """Every problem with the model options, one line each, named by their CLI flags."""
+    """Every problem with the module's own options, one line each, named by their CLI flags.
+
+    The rule's options are its own (``Correction.option_problems``), as are the optimizer's and the schedule's.
+    """
     problems = []
-    if correction not in CORRECTIONS:
-        problems.append(f"--model.correction={correction!r} is not one of {', '.join(CORRECTIONS)}")
-    elif eps_schedule == "corollary1" and correction not in CAPPED_RULES:
-        why = (
-            "TIC removes the mass of trajectories with rho > 1 + eps, a different bias term with no derived rate"
-            if correction == "tic"
-            else "its eps is not that cap (it means something else)"
-        )
-        problems.append(
-            f"--model.eps_schedule=corollary1 is Corollary 1's rate, derived for GMC's group-mass cap, and cannot set "
-            f"the eps of --model.correction={correction!r}: {why}; use it with --model.correction="
-            f"{' or '.join(CAPPED_RULES)}, or keep --model.eps_schedule=constant"
-        )
-    if eps is not None and not (eps > 0 and math.isfinite(eps)):
-        problems.append(f"--model.eps={eps} must be finite and > 0 (an infinite cap turns GMC or TIC into plain IS)")
-    if aggregation is not None and aggregation not in AGGREGATIONS:
-        problems.append(f"--model.aggregation={aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
-    if not lr > 0:
-        problems.append(f"--model.lr={lr} must be > 0")
-    if not 0 <= warmup_fraction < 1:
-        problems.append(f"--model.warmup_fraction={warmup_fraction} must be in [0, 1)")
-    if optimizer not in OPTIMIZERS:
-        problems.append(f"--model.optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         problems.append(f"--model.max_grad_norm={max_grad_norm} must be > 0 (or null for no clipping)")
     if micro_batch_groups < 1:
@@ -92,12 +55,9 @@ def joined(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
-    """Learning-rate multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+def default_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The configs' optimizer: torch's AdamW with lr 2e-4, betas (0.9, 0.999) and no weight decay."""
+    return torch.optim.AdamW(parameters, lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0)
 
 
 class GMCModule(pl.LightningModule):
@@ -105,29 +65,19 @@ class GMCModule(pl.LightningModule):
 
     Args:
         actor: ``"tiny"`` (built in code), a transformers hub name, or a local path.
-        correction: Off-policy rule from the registry: ``gmc``, ``tic``, ``grpo``, ``is``, ``vcpo``, ``gac``,
-            ``a3po``, ``a3po_capped``, ``cispo``, ``tis`` (and any registered). ``a3po`` is A-3PO as the seed
-            paper states it (outer factor ``pi_prox / pi_b`` unclipped); ``a3po_capped`` adds AReaL's masking of
-            tokens with ``pi_prox / pi_b > 5``.
-        eps: Threshold: the ``1 + eps`` cap for GMC/TIC, the PPO clip for GRPO/GAC/A-3PO (both entries), the
-            truncation ``c`` for VCPO, ``eps_high`` (cap ``1 + eps``) for CISPO, the cap ``C`` for TIS; ``null``
-            takes the rule's default (0.28 for GMC/TIC/CISPO, 0.2 for GRPO/GAC/A-3PO, 8 for VCPO, 2 for TIS).
-        aggregation: ``seq_sum_over_T`` (the paper's 1/(T B G)), ``token_mean`` or ``seq_mean_token_mean``;
-            ``null`` takes the rule's default.
-        eps_schedule: ``constant`` (``eps`` at every update) or ``corollary1``: ``eps_n = clip(eps_scale *
-            tau_bar_4^(1/7) * N^(-3/14), eps_min, eps_max)`` from the running fourth delay moment and
-            ``N = --trainer.max_steps`` (Corollary 1; ``eps`` is then unused). Logged as ``correction/eps``.
-            The rate is derived for GMC's group-mass cap, so ``corollary1`` needs ``--model.correction=gmc``.
-        eps_scale: ``c`` of ``corollary1``; 0.375 gives the paper's 0.28 at the tiny default (delay 8, 1,000 updates).
-        eps_min: Lower clip of ``corollary1`` (on-policy data would otherwise get ``eps = 0``).
-        eps_max: Upper clip of ``corollary1``.
+        correction: The off-policy rule, a :class:`~lit_gmc.corrections.Correction` with its own options:
+            ``GMC`` (the paper's; ``--model.correction.cap``), ``TIC`` (``cap``), ``IS``, ``GRPO`` (``clip``),
+            ``VCPO`` (``c``), ``GAC`` (``clip``, ``cosine_low``, ``cosine_high``), ``A3PO`` (``clip``,
+            ``behavior_cap``), ``CISPO`` (``eps_high``), ``TIS`` (``C``), or a user's subclass by import path; each
+            also takes ``aggregation``, defaulting to its authors'. ``null``: ``GMC`` with the paper's options.
+        optimizer: Set with ``--optimizer`` (any ``torch.optim.Optimizer`` by import path, with its options, e.g.
+            ``--optimizer torch.optim.SGD --optimizer.lr 0.01``); ``null``: torch's AdamW, lr 2e-4, betas
+            (0.9, 0.999), no weight decay.
+        lr_scheduler: Set with ``--lr_scheduler`` (a step-based schedule class, stepped once per update, e.g.
+            ``lit_gmc.optim.CosineWithWarmup`` with its ``warmup_fraction``); ``null``: ``CosineWithWarmup`` without
+            warm-up, decaying to 0 at ``--trainer.max_steps``.
         max_response_length: ``T``, the loss normaliser (linked to ``--data.max_new_tokens``).
         temperature: Temperature of the behaviour policy (linked to ``--data.temperature``).
-        lr: Peak learning rate.
-        betas: AdamW betas.
-        weight_decay: AdamW weight decay.
-        warmup_fraction: Fraction of ``max_steps`` of linear warm-up before the cosine decay.
-        optimizer: ``adamw`` (torch) or ``adamw8bit`` (bitsandbytes, CUDA).
         max_grad_norm: Global gradient-norm clip; ``null`` disables it.
         micro_batch_groups: Groups per forward/backward pass (whole groups, so group statistics are exact).
         logit_chunk_tokens: Response positions per LM-head chunk (bounds logits memory).
@@ -138,20 +88,11 @@ class GMCModule(pl.LightningModule):
     def __init__(
         self,
         actor: str = "tiny",
-        correction: str = "gmc",
-        eps: float | None = None,
-        aggregation: Aggregation | None = None,
-        eps_schedule: EpsSchedule = "constant",
-        eps_scale: float = 0.375,
-        eps_min: float = 0.05,
-        eps_max: float = 2.0,
+        correction: Correction | None = None,
+        optimizer: OptimizerSpec | None = None,
+        lr_scheduler: SchedulerSpec | None = None,
         max_response_length: int = 6,
         temperature: float = 1.0,
-        lr: float = 2e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        warmup_fraction: float = 0.0,
-        optimizer: Optimizer = "adamw",
         max_grad_norm: float | None = 1.0,
         micro_batch_groups: int = 8,
         logit_chunk_tokens: int = 512,
@@ -160,46 +101,25 @@ class GMCModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         problems = validate_model_args(
-            correction=correction,
-            eps=eps,
-            aggregation=aggregation,
-            lr=lr,
-            warmup_fraction=warmup_fraction,
-            optimizer=optimizer,
             max_grad_norm=max_grad_norm,
             micro_batch_groups=micro_batch_groups,
             logit_chunk_tokens=logit_chunk_tokens,
             dtype=dtype,
-            eps_schedule=eps_schedule,
-        )
-        problems += validate_eps_schedule_args(
-            eps_schedule=eps_schedule, eps_scale=eps_scale, eps_min=eps_min, eps_max=eps_max
         )
         if problems:
             raise ValueError("invalid model options:\n  " + "\n  ".join(problems))
         self.save_hyperparameters()
+        for key in ("correction", "optimizer", "lr_scheduler"):  # built objects (not through the CLI): their names
+            if not isinstance(self.hparams[key], (dict, type(None))):
+                self.hparams[key] = plain(self.hparams[key])
         self.automatic_optimization = False  # micro-batched backward, and room for per-step rules
-        self.rule = CORRECTIONS[correction]
-        self.eps = eps if eps is not None else self.rule.default_eps
-        self.eps_schedule = build_eps_schedule(
-            eps_schedule, eps=self.eps, eps_scale=eps_scale, eps_min=eps_min, eps_max=eps_max
-        )
-        self.aggregation = aggregation or self.rule.aggregation
-        self.step_rule = self.rule.step_rule() if self.rule.step_rule is not None else None
+        self.correction = correction if correction is not None else GMC()
+        self.optimizer_spec = optimizer if optimizer is not None else default_optimizer
+        self.scheduler_spec = lr_scheduler
         self.actor, _ = load_actor(actor, DTYPES[dtype])
         self.actor.train()  # from_pretrained returns eval mode; Lightning expects train mode in fit
         if gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
-
-    @override
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Lightning sets `_current_fx_name` before and after every hook it calls, ~30 times an update. nn.Module's
-        # __setattr__ first checks each value against parameters, buffers and submodules (two metaclass isinstance
-        # checks, ~2 us); a hook's name is none of them, so it is stored directly, where nn.Module would store it.
-        if name == "_current_fx_name":
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     @override
     def configure_model(self) -> None:
@@ -219,10 +139,10 @@ class GMCModule(pl.LightningModule):
                 "the learner shards its weights over data-parallel ranks only (FSDP2); tensor parallelism of the "
                 "learner is not implemented: use lit_gmc.strategies.FSDP2Strategy (tensor_parallel_size 1)"
             )
-        if self.rule.needs_grad_norms:
+        if self.correction.needs_grad_norms:
             raise ValueError(
-                f"--model.correction={self.hparams.correction} needs the exact gradient norm of every trajectory, "
-                "which FSDP2's sharded parameters do not give per row: use --trainer.strategy ddp"
+                f"--model.correction={type(self.correction).__name__} needs the exact gradient norm of every "
+                "trajectory, which FSDP2's sharded parameters do not give per row: use --trainer.strategy ddp"
             )
         from torch.distributed.fsdp import fully_shard
 
@@ -304,13 +224,13 @@ class GMCModule(pl.LightningModule):
         token entropies and log-probs ``(n, L)`` of the current policy.
         """
         # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
-        norms = self.trajectory_grad_norms_sq(part) if self.rule.needs_grad_norms else None  # (n,) or None
+        norms = self.trajectory_grad_norms_sq(part) if self.correction.needs_grad_norms else None  # (n,) or None
         logprobs, entropy = self(part.input_ids, part.attention_mask, part.prompt_width)  # (n, L), (n, L)
-        out = self.rule.fn(self.policy_terms(part, logprobs, norms, delays), self.eps)
+        out = self.correction(self.policy_terms(part, logprobs, norms, delays))
         loss = O.aggregate_loss(
             out.token_loss,
             part.response_mask,
-            self.aggregation,
+            self.correction.aggregation,
             max_length=self.hparams.max_response_length,
             total_sequences=batch.total_rows,
             total_tokens=batch.total_tokens,
@@ -322,7 +242,7 @@ class GMCModule(pl.LightningModule):
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         delays = batch.delays(self.global_step)  # (n,)
-        self.eps = self.eps_schedule.next_eps(delays, self.trainer.max_steps)
+        self.correction.begin_update(delays, self.trainer.max_steps)
         per_pass = self.hparams.micro_batch_groups
         # DDP and FSDP2 average gradients over ranks; each rank's loss is its share of the whole update's loss
         # (global normalisers), so scaling by the world size makes the averaged gradient the whole batch's.
@@ -350,7 +270,7 @@ class GMCModule(pl.LightningModule):
         # Checked as Python floats: a 0-dim torch.isfinite costs ~10 us, float() ~0.3 (the same sync on a GPU).
         if not math.isfinite(float(loss)):
             raise FloatingPointError(f"update {step}: the loss is {float(loss)}; the weights were not changed")
-        logged = self.step_rule.before_step(list(self.actor.parameters()), optimizer, stats) if self.step_rule else {}
+        logged = self.correction.before_step(list(self.actor.parameters()), optimizer, stats)
         grad_norm = self.clip_and_measure()
         if not math.isfinite(float(grad_norm)):  # the same total on every rank, so every rank stops here
             raise FloatingPointError(
@@ -358,9 +278,10 @@ class GMCModule(pl.LightningModule):
                 "the weights were not changed"
             )
         optimizer.step()
-        if self.step_rule:
-            self.step_rule.after_step(optimizer)
-        self.lr_schedulers().step()
+        self.correction.after_step(optimizer)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:  # none given: a constant learning rate
+            scheduler.step()
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
 
@@ -410,9 +331,11 @@ class GMCModule(pl.LightningModule):
                 "entropy": gather_ragged(entropy.detach()),  # (tokens,)
             }
         )
-        # The rule's eps and the schedule's bookkeeping (queue depth, drain flag), so callbacks need only this dict:
-        # 0-dim tensors, made by one call.
-        scalars = {"correction/eps": float(self.eps), **{f"schedule/{k}": float(v) for k, v in batch.info.items()}}
+        # The rule's threshold and the schedule's bookkeeping (queue depth, drain flag), so callbacks need only this
+        # dict: 0-dim tensors, made by one call.
+        threshold = self.correction.threshold
+        scalars = {} if threshold is None else {"correction/eps": float(threshold)}
+        scalars.update({f"schedule/{k}": float(v) for k, v in batch.info.items()})
         stats.update(zip(scalars, log_rho.new_tensor(list(scalars.values())).unbind(), strict=True))
         # Engine/trainer mismatch |l - log pi_theta_s|, measurable where the behaviour version is the current one.
         on_policy = delays == 0  # (n,)
@@ -460,47 +383,30 @@ class GMCModule(pl.LightningModule):
         # cosine). The step is the one Lightning uses for this batch, the update's index n.
         for logger in self.loggers:
             logger.log_metrics(values, step=step)
-        self.show_on_progress_bar(values, batch.info)
-
-    def show_on_progress_bar(self, values: dict[str, float], info: dict[str, Any]) -> None:
-        """Reward, mean delay and queue depth, shown by whichever progress bar the trainer has.
-
-        Written into ``trainer.progress_bar_metrics`` (the dict every Lightning bar reads) rather than through
-        ``self.log(..., prog_bar=True)``: three such calls cost ~2 ms an update in Lightning's result collection,
-        a few percent of a tiny update, for values that only feed the bar and are already logged above.
-        """
         shown = {"reward": values["train/reward"], "delay": values["delay/mean"]}
-        if "queue_depth" in info:
-            shown["queue"] = float(info["queue_depth"])
-        if self._trainer is not None:
-            self._trainer.progress_bar_metrics.update(shown)
+        if "queue_depth" in batch.info:
+            shown["queue"] = float(batch.info["queue_depth"])
+        self.log_dict(shown, prog_bar=True, logger=False, batch_size=batch.num_groups)  # the bar's figures only
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
+        """The ``--optimizer`` over the actor's trainable parameters, and the ``--lr_scheduler`` (stepped per update).
+
+        Built here, after :meth:`configure_model`, so that under FSDP2 the optimizer holds the sharded parameters.
+        """
         params = [p for p in self.actor.parameters() if p.requires_grad]
-        if hp.optimizer == "adamw8bit":
-            try:
-                import bitsandbytes as bnb
-            except ImportError as err:
-                raise ImportError("--model.optimizer=adamw8bit needs bitsandbytes: pip install -e '.[vllm]'") from err
-            optimizer = bnb.optim.AdamW8bit(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        optimizer = build_optimizer(self.optimizer_spec, params)
+        if self.scheduler_spec is None:
+            scheduler = CosineWithWarmup(optimizer, total_steps=max(1, self.trainer.max_steps))
         else:
-            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
-        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else 1)
-        warmup = int(hp.warmup_fraction * total)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, total, warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+            scheduler = build_scheduler(self.scheduler_spec, optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.step_rule is not None:
-            checkpoint["step_rule"] = self.step_rule.state_dict()
-        checkpoint["eps_schedule"] = self.eps_schedule.state_dict()  # corollary1's running delay moments
+        checkpoint["correction"] = self.correction.state_dict()  # GAC's previous gradient, corollary1's moments
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.step_rule is not None and "step_rule" in checkpoint:
-            self.step_rule.load_state_dict(checkpoint["step_rule"])
-        if "eps_schedule" in checkpoint:
-            self.eps_schedule.load_state_dict(checkpoint["eps_schedule"])
+        if "correction" in checkpoint:
+            self.correction.load_state_dict(checkpoint["correction"])

@@ -1,15 +1,17 @@
 """Resuming checks its checkpoint: a file that is no lit_gmc checkpoint, or one saved under other settings, is refused.
 
 Every checkpoint records the options of the run that wrote it (:class:`RunSettings`, under
-:data:`SETTINGS_KEY`): ``--model.*``, ``--data.*`` with each component's class and options
-(``--data.schedule``, ``--data.schedule.delay``, ...) and ``--trainer.precision``. A resume (``fit --ckpt_path``)
+:data:`SETTINGS_KEY`): ``--model.*``, ``--data.*``, ``--optimizer`` and ``--lr_scheduler``, with each
+component's class and options (``--model.correction``, ``--model.correction.cap``, ``--data.schedule.delay``,
+``--optimizer.lr``, ...) and ``--trainer.precision``. A resume (``fit --ckpt_path``)
 compares them with its own and refuses every difference, listed by flag with both values, except these,
 which may change because they set how long, how fast, where or how visibly a run goes, not what it computes:
 
-- ``--trainer.max_steps`` (and ``--data.total_updates``, linked to it): a finished run may go on;
-- everything outside ``model``/``data``/``--trainer.precision``: logging, callbacks, ``--checkpoint.*``,
-  ``--torch_num_threads``, devices and strategy, ``--seed_everything`` (sampling seeds derive from
-  ``--data.seed``, which is compared);
+- ``--trainer.max_steps`` (and ``--data.total_updates`` and ``--lr_scheduler.total_steps``, linked to it): a
+  finished run may go on;
+- everything outside ``model``/``data``/``optimizer``/``lr_scheduler``/``--trainer.precision``: logging,
+  callbacks, ``--checkpoint.*``, ``--torch_num_threads``, devices and strategy, ``--seed_everything`` (sampling
+  seeds derive from ``--data.seed``, which is compared);
 - memory and speed knobs that leave the updates as they are (up to floating-point summation order):
   ``--model.micro_batch_groups``, ``--model.logit_chunk_tokens``, ``--model.gradient_checkpointing``,
   and the component options in :data:`COMPONENT_MAY_CHANGE` (``VirtualClock``'s ``overlap`` and
@@ -37,10 +39,14 @@ from lit_gmc.errors import UserError, UserFileNotFoundError
 
 SETTINGS_KEY = "lit_gmc_settings"
 COMPONENTS = ("task", "engine", "schedule")
+# Options built from class_path + init_args: compared class first, then option by option.
+COMPONENT_FLAGS = ("--model.correction", "--optimizer", "--lr_scheduler", *(f"--data.{key}" for key in COMPONENTS))
 # Options outside the comparison: linked from another option (compared there) or allowed to change.
 MAY_CHANGE = frozenset({
     "--data.total_updates",  # linked from --trainer.max_steps: a resumed run may plan more updates
+    "--lr_scheduler.total_steps",  # likewise (CosineWithWarmup's, filled in from --trainer.max_steps)
     "--data.actor", "--model.max_response_length", "--model.temperature",  # linked: --model.actor, --data.*
+    "--model.optimizer", "--model.lr_scheduler",  # linked from --optimizer and --lr_scheduler, compared there
     "--model.micro_batch_groups", "--model.logit_chunk_tokens", "--model.gradient_checkpointing",
 })  # fmt: skip
 COMPONENT_MAY_CHANGE = {
@@ -74,16 +80,23 @@ def plain(value: Any) -> Any:
 
 def run_settings(config: Namespace) -> dict[str, Any]:
     """``flag -> value`` of a parsed ``fit`` config: every model and data option, and the trainer's precision."""
-    settings = {f"--model.{key}": plain(value) for key, value in vars(config.model).items()}
-    for key, value in vars(config.data).items():
-        if key in COMPONENTS and isinstance(value, Namespace) and value.get("class_path"):
-            settings[f"--data.{key}"] = value.class_path
-            for arg, item in (plain(value.get("init_args")) or {}).items():
-                settings[f"--data.{key}.{arg}"] = item
-        else:
-            settings[f"--data.{key}"] = plain(value)
+    settings: dict[str, Any] = {}
+    for group in ("model", "data"):
+        for key, value in vars(config[group]).items():
+            settings.update(component_settings(f"--{group}.{key}", value))
+    for key in ("optimizer", "lr_scheduler"):
+        settings.update(component_settings(f"--{key}", config.get(key)))
     settings["--trainer.precision"] = plain(config.trainer.get("precision"))
     return settings
+
+
+def component_settings(flag: str, value: Any) -> dict[str, Any]:
+    """``{flag: value}``; for a component (``class_path`` + ``init_args``), its class and then each option's flag."""
+    value = plain(value)
+    if flag not in COMPONENT_FLAGS or not (isinstance(value, dict) and value.get("class_path")):
+        return {flag: value}
+    options = value.get("init_args") or {}
+    return {flag: value["class_path"], **{f"{flag}.{arg}": item for arg, item in options.items()}}
 
 
 class RunSettings(pl.Callback):
@@ -125,7 +138,7 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
 
     A component whose class differs is one line; the options of its two classes are not compared.
     """
-    swapped = {f"--data.{key}" for key in COMPONENTS if saved.get(f"--data.{key}") != now.get(f"--data.{key}")}
+    swapped = {flag for flag in COMPONENT_FLAGS if saved.get(flag) != now.get(flag)}
     lines = []
     for flag, value in now.items():
         if flag not in saved or saved[flag] == value or may_change(flag, now):

@@ -205,10 +205,12 @@ def config_value(config: dict[str, Any], key: str, where: Path) -> Any:
 def run_parameters(config: dict[str, Any], where: Path) -> dict[str, Any]:
     """The :class:`Run` fields a LightningCLI ``config.yaml`` of ``python -m lit_gmc fit`` sets.
 
-    ``method`` is ``model.correction``, ``model`` is ``model.actor``, ``seed`` is ``seed_everything`` (else
-    ``data.seed``), ``group_size`` is ``data.group_size``, ``eps_schedule`` is ``model.eps_schedule``
-    (``constant`` when absent) and ``delay`` is ``FixedDelay``'s ``delay``, 0 for ``Sync`` (the paper's D = 0
-    protocol) and ``None`` for any other schedule (``VirtualClock``, ``Live``: the delays are measured, not set).
+    ``method`` is the rule's class name in lower case (``model.correction.class_path``; the rule's name itself in
+    configs written before rules were classes), ``model`` is ``model.actor``, ``seed`` is ``seed_everything`` (else
+    ``data.seed``), ``group_size`` is ``data.group_size``, ``eps_schedule`` is GMC's
+    ``model.correction.init_args.cap_schedule`` (older configs: ``model.eps_schedule``; ``constant`` when absent),
+    ``delay`` is ``FixedDelay``'s ``delay``, 0 for ``Sync`` (the paper's D = 0 protocol) and ``None`` for any other
+    schedule (``VirtualClock``, ``Live``: the delays are measured, not set).
     """
     schedule = config_value(config, "data.schedule", where)
     if not isinstance(schedule, dict) or "class_path" not in schedule:
@@ -222,9 +224,13 @@ def run_parameters(config: dict[str, Any], where: Path) -> dict[str, Any]:
     if not isinstance(seed, int) or isinstance(seed, bool):  # null / false: the run was not seeded globally
         seed = config_value(config, "data.seed", where)
     model = config.get("model") or {}
-    return {"method": str(config_value(config, "model.correction", where)), "delay": delay,
+    method, eps_schedule = config_value(config, "model.correction", where), model.get("eps_schedule")
+    if isinstance(method, dict):  # a rule class: class_path + init_args
+        eps_schedule = (method.get("init_args") or {}).get("cap_schedule")
+        method = str(method.get("class_path", "")).rsplit(".", 1)[-1].lower()
+    return {"method": str(method), "delay": delay,
             "group_size": int(config_value(config, "data.group_size", where)), "seed": int(seed),
-            "eps_schedule": str(model.get("eps_schedule") or "constant"), "model": str(model.get("actor") or ""),
+            "eps_schedule": str(eps_schedule or "constant"), "model": str(model.get("actor") or ""),
             "schedule": kind}  # fmt: skip
 
 

@@ -39,7 +39,7 @@ import yaml
 
 EVAL_SUITE = "heldout"
 GRID_KEYS = ("model.correction", "data.schedule", "data.group_size", "data.seed", "trainer.max_steps",
-             "model.eps_schedule", "checkpoint")  # fmt: skip
+             "checkpoint")  # fmt: skip
 """Config keys the grid sets itself (with ``seed_everything``, which ``--set`` cannot name); ``--set`` may not
 override them, or the run names would lie."""
 
@@ -72,17 +72,27 @@ def expand_grid(args: argparse.Namespace) -> list[RunSpec]:
     """Every combination of the grid's axes, in a stable order (method, delay, G, seed)."""
     overrides = dict(parse_override(item) for item in args.set)
     return [
-        RunSpec(m, d, g, s, args.max_steps, args.checkpoint_every, args.eps_schedule, args.tag, overrides)
+        RunSpec(m.lower(), d, g, s, args.max_steps, args.checkpoint_every, args.eps_schedule, args.tag, overrides)
         for m, d, g, s in itertools.product(args.methods, args.delays, args.group_sizes, args.seeds)
     ]
 
 
+def rule_class_path(method: str) -> str:
+    """The import path of the rule a ``--methods`` entry names (``gmc`` or ``GMC``: ``lit_gmc.rules.GMC``)."""
+    from lit_gmc.rules import __all__ as rules
+
+    names = {name.lower(): name for name in rules}
+    return f"lit_gmc.rules.{names[method.lower()]}"
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """``"model.lr=1e-4"`` -> ``("model.lr", 1e-4)``: the value is read as JSON, else as YAML (PyYAML's YAML 1.1
-    would read ``1e-4`` as a string)."""
+    """``"optimizer.init_args.lr=1e-4"`` -> ``("optimizer.init_args.lr", 1e-4)``: the value is read as JSON, else as
+    YAML (PyYAML's YAML 1.1 would read ``1e-4`` as a string)."""
     key, sep, value = item.partition("=")
     if not sep or not re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", key):
-        raise argparse.ArgumentTypeError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. model.lr=1e-4")
+        raise argparse.ArgumentTypeError(
+            f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. optimizer.init_args.lr=1e-4"
+        )
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -112,7 +122,7 @@ def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         "trainer": {
             "max_steps": spec.max_steps,
             "enable_progress_bar": False,
-            "logger": {"class_path": "lit_gmc.loggers.DurableTensorBoardLogger",
+            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(run_dir), "name": "tb", "version": 0}},
             "callbacks": [
                 {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"},
@@ -123,8 +133,10 @@ def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         },
         "checkpoint": {"dirpath": str(run_dir / "checkpoints"), "every_n_train_steps": spec.checkpoint_every,
                        "save_last": True, "save_top_k": -1},
-        # eps and aggregation null: each rule runs with its own defaults (GRPO: clip 0.2, seq-mean-token-mean).
-        "model": {"correction": spec.method, "eps": None, "aggregation": None, "eps_schedule": spec.eps_schedule},
+        # The rule's own options at their defaults (GRPO: clip 0.2, seq-mean-token-mean), GMC's cap schedule if asked.
+        "model": {"correction": {"class_path": rule_class_path(spec.method),
+                                 "init_args": {"cap_schedule": spec.eps_schedule} if spec.eps_schedule != "constant"
+                                 else {}}},
         "data": {"schedule": suite_schedule(spec.delay), "group_size": spec.group_size, "seed": spec.seed},
     }  # fmt: skip
     for key, value in spec.overrides.items():
@@ -327,16 +339,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     grid = sub.add_parser("run", help="run (or resume) a grid of runs")
     grid.add_argument("--out", required=True, help="sweep folder (manifest.json, runs/)")
-    grid.add_argument("--methods", nargs="+", default=["gmc", "tic", "grpo"], help="--model.correction values")
+    grid.add_argument(
+        "--methods",
+        nargs="+",
+        default=["gmc", "tic", "grpo"],
+        help="rules (--model.correction classes, any case: gmc tic grpo vcpo gac a3po cispo tis is)",
+    )
     grid.add_argument("--delays", nargs="+", type=int, default=[0, 8, 32, 128], help="fixed delays D")
     grid.add_argument("--group-sizes", nargs="+", type=int, default=[8], help="G values")
     grid.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     grid.add_argument("--max-steps", type=int, required=True, help="updates per run (N)")
     grid.add_argument("--checkpoint-every", type=int, required=True, help="checkpoint (and evaluation) period")
-    grid.add_argument("--eps-schedule", default="constant", choices=["constant", "corollary1"])
+    grid.add_argument(
+        "--eps-schedule",
+        default="constant",
+        choices=["constant", "corollary1"],
+        help="GMC's --model.correction.cap_schedule (GMC only)",
+    )
     grid.add_argument("--tag", default="", help="suffix of the run names (for variants made with --set)")
     grid.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                      help="extra config value for every run, e.g. model.lr=1e-4 (repeatable)")  # fmt: skip
+                      help="extra config value for every run, e.g. optimizer.init_args.lr=1e-4")  # fmt: skip
     grid.add_argument("--parallel", type=int, default=2, help="runs at the same time")
     grid.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (avg@n, pass@k)")
     grid.add_argument("--eval-limit", type=int, default=None, help="only the first held-out prompts (quick checks)")
@@ -357,6 +379,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             f"{args.checkpoint_every} (the final weights must be checkpointed)")  # fmt: skip
         problems += [f"--delays: {d} must be >= 0" for d in args.delays if d < 0]
         problems += [f"--group-sizes: {g} must be >= 2" for g in args.group_sizes if g < 2]
+        from lit_gmc.rules import __all__ as builtin_rules
+
+        rules = {name.lower() for name in builtin_rules}
+        problems += [
+            f"--methods: {m} is not one of {' '.join(sorted(rules))}" for m in args.methods if m.lower() not in rules
+        ]
+        if args.eps_schedule != "constant" and any(m.lower() != "gmc" for m in args.methods):
+            problems.append(f"--eps-schedule {args.eps_schedule} is GMC's cap schedule: use it with --methods gmc only")
         for item in args.set:
             try:
                 key, _ = parse_override(item)

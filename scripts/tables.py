@@ -5,8 +5,8 @@ Runs come from a sweep (``--sweep``: ``scripts/plots.py``'s :func:`load_sweep` r
 are left out and listed) and/or from runs launched directly with ``python -m lit_gmc fit``, one logger folder
 per run (``--runs runs/simulated_async/qwen3_4b_gmc ...``, or ``--runs-root runs/simulated_async`` for every
 folder under it with a ``version_<n>/config.yaml``; :func:`load_run_folders`). Such a run's parameters come from
-the ``config.yaml`` LightningCLI saved (method ``model.correction``, model ``model.actor``, seed
-``seed_everything``, G ``data.group_size``, ``model.eps_schedule``; D from a ``FixedDelay`` schedule, 0 for
+the ``config.yaml`` LightningCLI saved (method: the ``model.correction`` class, model ``model.actor``, seed
+``seed_everything``, G ``data.group_size``, GMC's ``cap_schedule``; D from a ``FixedDelay`` schedule, 0 for
 ``Sync``, none for ``VirtualClock`` and ``Live``), and all its ``version_<n>`` folders (a resumption writes the
 next one) are merged into one run, a later version winning a step both logged. A run whose logs stop before
 ``trainer.max_steps`` is left out and listed, unless ``--include-unfinished``.

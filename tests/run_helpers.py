@@ -71,7 +71,7 @@ def write_config(
             "max_steps": total,
             "enable_progress_bar": False,
             # checkpoints follow the logger: tmp_path / name / checkpoints
-            "logger": {"class_path": "lit_gmc.loggers.DurableTensorBoardLogger",
+            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": name}},
             "callbacks": callbacks,
         },

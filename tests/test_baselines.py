@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import lightning.pytorch as pl
 import pytest
@@ -20,23 +21,31 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from lit_gmc import objectives as O
 from lit_gmc.actor import TinyRecipe, build_char_tokenizer, build_tiny_model
 from lit_gmc.baselines import (
-    ESSStepSize,
-    GradientProjection,
-    a3po,
     a3po_alpha,
     a3po_behavior_weight,
-    a3po_capped,
     ess_step_factor,
     gac_shift,
     vcpo_baseline,
 )
 from lit_gmc.batch import RolloutGroup, collate_groups
 from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.corrections import CORRECTIONS, PolicyTerms
+from lit_gmc.corrections import PolicyTerms
 from lit_gmc.logprobs import response_logprobs
-from lit_gmc.module import GMCModule, cosine_with_warmup
+from lit_gmc.module import GMCModule
+from lit_gmc.rules import A3PO, CISPO, GAC, GMC, TIS, VCPO
 
 BASELINES = ("vcpo", "gac", "a3po", "a3po_capped", "cispo", "tis")
+RULES = {"gmc": GMC, "vcpo": VCPO, "gac": GAC, "a3po": A3PO, "a3po_capped": partial(A3PO, behavior_cap=5.0),
+         "cispo": CISPO, "tis": TIS}  # fmt: skip
+"""Each baseline with its defaults, by test name (``a3po_capped``: A-3PO with AReaL's behaviour cap of 5)."""
+
+
+def old_lr_multiplier(step: int, total: int, warmup: int) -> float:
+    """The learning-rate multiplier lit_gmc used before its schedule came from transformers, written out."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 T_MAX = 6
 G = 3
 REWARDS = ([1.0, 0.0, 0.5], [0.2, 0.9, 0.0])
@@ -87,7 +96,8 @@ def actor_dir(tmp_path_factory, tokenizer):
 
 
 def load_module(actor_dir, correction: str, **kwargs) -> GMCModule:
-    return GMCModule(actor=str(actor_dir), correction=correction, dtype="float64", max_response_length=T_MAX, **kwargs)
+    return GMCModule(actor=str(actor_dir), correction=RULES[correction](), dtype="float64", max_response_length=T_MAX,
+                     **kwargs)  # fmt: skip
 
 
 def direct_logprobs(model, batch, row: int) -> torch.Tensor:
@@ -155,7 +165,7 @@ def brute_force_grad_norms_sq(model, batch) -> torch.Tensor:
 
 def written_out_coefficients(name, batch, lp, delays, norms):
     """Per-token ``k_it`` with ``grad loss = sum_it k_it grad log pi(y_it)``, each rule derived by hand."""
-    n, eps = batch.rewards.numel(), CORRECTIONS[name].default_eps
+    n, eps = batch.rewards.numel(), RULES[name]().threshold
     r = batch.rewards.double().view(-1, G)
     d = [lp[i] - batch.behavior_logprobs[i, : lp[i].numel()].double() for i in range(n)]  # log pi - l per token
     tokens = int(batch.response_mask.sum())
@@ -192,8 +202,8 @@ def test_rule_gradient_equals_equation_written_out(name, actor_dir, tokenizer, f
     batch = make_batch(model, tokenizer)
     delays = torch.tensor([0] * G + [5] * G)
     norms = brute_force_grad_norms_sq(model, batch)
-    entry = CORRECTIONS[name]
-    out = entry.fn(terms_for(model, batch, delays, norms if entry.needs_grad_norms else None), entry.default_eps)
+    entry = RULES[name]()
+    out = entry(terms_for(model, batch, delays, norms if entry.needs_grad_norms else None))
     n, tokens = batch.rewards.numel(), int(batch.response_mask.sum())
     loss = O.aggregate_loss(
         out.token_loss, batch.response_mask, entry.aggregation, max_length=T_MAX, total_sequences=n, total_tokens=tokens
@@ -214,8 +224,8 @@ def test_fixture_exercises_truncation_and_masking(actor_dir, tokenizer):
     batch = make_batch(model, tokenizer)
     terms = terms_for(model, batch, torch.tensor([0] * G + [5] * G), torch.ones(2 * G, dtype=torch.float64))
     with torch.no_grad():
-        assert CORRECTIONS["vcpo"].fn(terms, 8.0).extra["vcpo/truncated_fraction"] > 0
-        out, capped = a3po(terms, 0.2), a3po_capped(terms, 0.2)
+        assert VCPO(c=8.0)(terms).extra["vcpo/truncated_fraction"] > 0
+        out, capped = A3PO(clip=0.2)(terms), A3PO(clip=0.2, behavior_cap=5.0)(terms)
     assert out.extra["a3po/over_cap_fraction"] > 0 and out.extra["a3po/clip_fraction"] > 0
     assert capped.extra["a3po/over_cap_fraction"] == out.extra["a3po/over_cap_fraction"]
     assert not torch.equal(out.token_loss, capped.token_loss)
@@ -260,7 +270,7 @@ def test_vcpo_without_grad_norms_names_the_field():
     terms = PolicyTerms(torch.zeros(2, 1), torch.zeros(2, 1), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2),
                         torch.zeros(2, dtype=torch.long), 2)  # fmt: skip
     with pytest.raises(ValueError, match="grad_norms_sq"):
-        CORRECTIONS["vcpo"].fn(terms, 8.0)
+        VCPO(c=8.0)(terms)
 
 
 @pytest.mark.parametrize(
@@ -282,7 +292,7 @@ def test_vcpo_lr_scaled_for_one_step_then_restored():
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.SGD([param], lr=0.1)
     param.grad = torch.ones(3)
-    rule = ESSStepSize()
+    rule = VCPO()
     log_w = torch.log(torch.tensor([2.0, 1.0, 1.0], dtype=torch.float64))
     logged = rule.before_step([param], optimizer, {"log_rho": log_w})
     factor = math.sqrt((4.0**2 / 6.0) / 3.0)
@@ -324,7 +334,7 @@ def test_gac_projection_is_global_over_all_parameters():
         torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
         torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
     )
-    rule = GradientProjection()
+    rule = GAC()
     prev = [torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)]
     a.grad, b.grad = prev[0].clone(), prev[1].clone()
     assert rule.before_step([a, b], None, {}) == {}  # first step: nothing to compare with
@@ -401,10 +411,10 @@ def test_a3po_equals_its_equation_token_by_token(name, seed):
     logprobs = (behavior + gap).requires_grad_(True)
     delays = torch.tensor([0, 1, 3, 3, 7, 7])
     rewards = torch.tensor([1.0, 0.0, 0.3, 0.9, 1.0, 0.2], dtype=torch.float64)
-    entry = CORRECTIONS[name]
-    out = entry.fn(PolicyTerms(logprobs, behavior, mask, rewards, delays, 2), entry.default_eps)
+    entry = RULES[name]()
+    out = entry(PolicyTerms(logprobs, behavior, mask, rewards, delays, 2))
     cap = 5.0 if name == "a3po_capped" else None
-    loss, grad = a3po_direct(logprobs.detach(), behavior, mask, delays, rewards, 2, entry.default_eps, cap)
+    loss, grad = a3po_direct(logprobs.detach(), behavior, mask, delays, rewards, 2, entry.threshold, cap)
     torch.testing.assert_close(out.token_loss, loss, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(torch.autograd.grad(out.token_loss.sum(), logprobs)[0], grad, rtol=1e-12, atol=1e-14)
     assert grad[5, 0] != 0 if cap is None else grad[5, 0] == 0  # the over-cap token
@@ -421,7 +431,7 @@ def test_a3po_keeps_the_factor_over_five_and_a3po_capped_masks_it():
     behavior = torch.full_like(gap, -2.0)
     logprobs = (behavior + gap).requires_grad_(True)
     terms = hand_terms(logprobs, behavior, torch.tensor([5, 5]), torch.tensor([1.0, 0.0], dtype=torch.float64))
-    out, capped = a3po(terms, 0.2), a3po_capped(terms, 0.2)
+    out, capped = A3PO(clip=0.2)(terms), A3PO(clip=0.2, behavior_cap=5.0)(terms)
     weight, ratio = torch.exp(0.8 * gap), torch.exp(0.2 * gap)
     adv = torch.tensor([[0.5], [-0.5]], dtype=torch.float64)
     expected = -weight * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
@@ -453,19 +463,19 @@ def test_a3po_behavior_weight_unclipped_capped_and_finite():
     behavior = torch.full((2, 2), -150.0)
     logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
     terms = hand_terms(logprobs, behavior, torch.tensor([4, 4]), torch.tensor([1.0, 1.0]))
-    out = a3po(terms, 0.2)
+    out = A3PO(clip=0.2)(terms)
     assert torch.equal(out.token_loss, torch.zeros(2, 2))
     assert torch.isfinite(torch.autograd.grad(out.token_loss.sum(), logprobs)[0]).all()
 
 
-@pytest.mark.parametrize("rule", [a3po, a3po_capped])
+@pytest.mark.parametrize("rule", [A3PO(clip=0.2), A3PO(clip=0.2, behavior_cap=5.0)])
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a3po_is_ppo_clip_at_small_delay(rule, delay):
     gen = torch.Generator().manual_seed(delay)
     behavior = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 3
     logprobs = (behavior + 0.5 * torch.randn(4, 5, generator=gen, dtype=torch.float64)).requires_grad_(True)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
-    out = rule(hand_terms(logprobs, behavior, torch.full((4,), delay), rewards), 0.2)
+    out = rule(hand_terms(logprobs, behavior, torch.full((4,), delay), rewards))
     adv = O.group_centered_advantages(rewards, 2)
     ppo = O.ppo_clip_token_loss(logprobs, behavior, torch.ones_like(behavior, dtype=torch.bool), adv, 0.2)
     assert torch.equal(out.token_loss, ppo)
@@ -478,8 +488,7 @@ def test_token_ratio_truncation(name, cap):
     behavior = torch.full_like(gap, -1.5)
     logprobs = (behavior + gap).requires_grad_(True)
     rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    entry = CORRECTIONS[name]
-    out = entry.fn(hand_terms(logprobs, behavior, torch.zeros(2, dtype=torch.long), rewards), entry.default_eps)
+    out = RULES[name]()(hand_terms(logprobs, behavior, torch.zeros(2, dtype=torch.long), rewards))
     adv = torch.tensor([1.0, -1.0]) if name == "cispo" else torch.tensor([0.5, -0.5])  # std-normalised vs centred
     (grad,) = torch.autograd.grad(out.token_loss.sum(), logprobs)
     torch.testing.assert_close(grad, -torch.exp(gap).clamp(max=cap) * adv.double()[:, None])
@@ -507,7 +516,7 @@ class DelaysSeen(GMCModule):
 
 def test_each_micro_batch_gets_its_own_groups_delays(actor_dir, tokenizer, tmp_path):
     """training_step computes the batch's delays once and hands each micro-batch its rows of them (A-3PO reads them)."""
-    module = DelaysSeen(actor=str(actor_dir), correction="a3po", dtype="float64", max_response_length=T_MAX,
+    module = DelaysSeen(actor=str(actor_dir), correction=A3PO(), dtype="float64", max_response_length=T_MAX,
                         micro_batch_groups=1)  # fmt: skip
     batch = replace(make_batch(module.actor, tokenizer), versions=torch.tensor([-3, -1]))  # delays 3, 1 at step 0
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
@@ -524,8 +533,8 @@ class Recorder(pl.Callback):
         self.losses, self.step_lrs, self.metrics, self.rule_states = [], [], [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if pl_module.step_rule is not None:  # the rule replaces (never mutates) its state, so a reference will do
-            self.rule_states.append(pl_module.step_rule.state_dict())
+        # the rule replaces (never mutates) its state, so a reference will do
+        self.rule_states.append(pl_module.correction.state_dict())
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.step_lrs.append(optimizer.param_groups[0]["lr"])
@@ -557,7 +566,7 @@ class MemoryLogger(Logger):
 
 
 def fit(correction: str, steps: int, tmp_path, *, planned: int | None = None, ckpt_path=None):
-    module = GMCModule(correction=correction, micro_batch_groups=2)
+    module = GMCModule(correction=RULES[correction](), micro_batch_groups=2)
     data = tiny_data(2, group_size=4, batch_prompts=4,
                              total_updates=planned or steps)  # fmt: skip
     recorder, logger = Recorder(), MemoryLogger()
@@ -585,13 +594,13 @@ def test_tiny_fit_with_fixed_delay_gives_finite_loss(name, tmp_path):
     assert rec.metrics[-1]["delay/mean"] == 2.0
     if name == "vcpo":  # the step used the scheduled lr times this step's ESS factor, and only that step
         for step, (lr, metrics) in enumerate(zip(rec.step_lrs, rec.metrics, strict=True)):
-            scheduled = module.hparams.lr * cosine_with_warmup(step, 20, 0)
+            scheduled = 2e-4 * old_lr_multiplier(step, 20, 0)  # the default AdamW's lr
             assert lr == pytest.approx(scheduled * metrics["vcpo/lr_factor"], rel=1e-6)
 
 
 def test_gac_state_survives_checkpoint_and_resume(tmp_path):
     trainer, module, _ = fit("gac", 2, tmp_path / "a", planned=3)
-    saved = [t.clone() for t in module.step_rule.previous]
+    saved = [t.clone() for t in module.correction.previous]
     ckpt = tmp_path / "gac.ckpt"
     trainer.save_checkpoint(ckpt)
 
@@ -604,14 +613,16 @@ def test_gac_state_survives_checkpoint_and_resume(tmp_path):
 
 @pytest.mark.parametrize("name", BASELINES)
 def test_cli_selects_each_baseline_with_its_defaults(name, tmp_path, monkeypatch):
-    """The embedded tiny config plus one option (and eps/aggregation left to the rule) builds each baseline."""
+    """The embedded tiny config plus the rule's class builds each baseline with its own defaults."""
     from lit_gmc.cli import GMCCLI, embedded_default
 
     monkeypatch.setattr("sys.argv", ["lit_gmc"])
-    args = ["--config", embedded_default(), f"--model.correction={name}", "--model.eps=null",
-            "--model.aggregation=null", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    expected = RULES[name]()
+    chosen = [f"--model.correction={type(expected).__name__}"]
+    if name == "a3po_capped":
+        chosen.append("--model.correction.behavior_cap=5")
+    args = ["--config", embedded_default(), *chosen, "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
     cli = GMCCLI(args=args, run=False)
-    entry = CORRECTIONS[name]
-    assert cli.model.rule is entry
-    assert cli.model.eps == entry.default_eps and cli.model.aggregation == entry.aggregation
-    assert (cli.model.step_rule is None) == (entry.step_rule is None)
+    rule = cli.model.correction
+    assert type(rule) is type(expected) and vars(rule) == vars(expected)  # its threshold, aggregation, step state

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import io
+import math
 import re
 import shlex
 import subprocess
@@ -12,17 +14,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from docstring_parser import parse as parse_docstring
 
 import lit_gmc.__main__ as entry
 from lit_gmc.cli import GMCCLI
+from lit_gmc.corrections import registered_rules
 from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.data.math_task import Math
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 
 REPO = Path(__file__).resolve().parents[1]
-LINKED = {("data", "actor"), ("data", "total_updates"), ("model", "max_response_length"), ("model", "temperature")}
+LINKED = {("data", "actor"), ("data", "total_updates"), ("model", "max_response_length"), ("model", "temperature"),
+          ("model", "optimizer"), ("model", "lr_scheduler")}  # fmt: skip
 
 
 class ParseOnlyCLI(GMCCLI):
@@ -64,10 +69,10 @@ def test_help_documents_every_option(help_text, group, cls):
 
 
 def test_the_overrides_users_type_reach_the_config():
-    config = parse("--model.correction", "tic", "--model.eps", "0.28", "--data.schedule", "Sync",
+    config = parse("--model.correction", "TIC", "--model.correction.cap", "0.3", "--data.schedule", "Sync",
                    "--data.schedule.inner_steps", "4", "--data.group_size", "4", "--data.batch_prompts", "2",
                    "--data.max_new_tokens", "5", "--trainer.max_steps", "33")  # fmt: skip
-    assert (config.model.correction, config.model.eps) == ("tic", 0.28)
+    assert config.model.correction.class_path == "lit_gmc.rules.TIC" and config.model.correction.init_args.cap == 0.3
     assert config.data.schedule.class_path == "lit_gmc.data.schedules.Sync"
     assert config.data.schedule.init_args.inner_steps == 4
     assert (config.data.group_size, config.data.batch_prompts) == (4, 2)
@@ -96,7 +101,7 @@ def test_an_option_of_another_schedule_cannot_be_given():
     out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args], capture_output=True, text=True, cwd=REPO,
                          timeout=120)  # fmt: skip
     assert out.returncode == 2
-    assert "VirtualClock" in out.stderr and "Option 'delay' is not accepted" in out.stderr
+    assert "--data.schedule.delay: VirtualClock has no option delay (its options: c_gen, lam," in out.stderr
 
 
 def test_closed_choices_are_checked_by_the_parser():
@@ -108,20 +113,23 @@ def test_closed_choices_are_checked_by_the_parser():
 
 
 def test_every_bad_option_is_named_in_one_message():
-    args = ["--model.correction", "nope", "--model.eps", "0", "--data.group_size", "1", "--data.schedule.delay", "-1",
+    args = ["--model.correction.cap", "0", "--data.group_size", "1", "--data.schedule.delay", "-1",
             "--data.batch_prompts", "0", "--data.engine.batch_rows", "0", "--data.task.max_operand", "0"]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args], capture_output=True, text=True, cwd=REPO,
                          timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.count("invalid options") == 1
-    for flag in ("--model.correction='nope'", "--model.eps=0", "--data.group_size=1", "--data.schedule.delay=-1",
+    for flag in ("--model.correction.cap=0.0", "--data.group_size=1", "--data.schedule.delay=-1",
                  "--data.batch_prompts=0", "--data.engine.batch_rows=0", "--data.task.max_operand=0"):  # fmt: skip
         assert flag in out.stderr, flag
 
 
 def test_the_embedded_default_applies_without_a_config():
     config = parse()
-    assert (config.model.actor, config.model.correction) == ("tiny", "gmc")
+    assert (config.model.actor, config.model.correction.class_path) == ("tiny", "lit_gmc.rules.GMC")
+    assert config.optimizer is None  # GMCModule's default: torch's AdamW, lr 2e-4, betas (0.9, 0.999), no decay
+    assert config.lr_scheduler.class_path == "lit_gmc.optim.CosineWithWarmup"
+    assert config.lr_scheduler.init_args.warmup_fraction == 0.0 and config.lr_scheduler.init_args.total_steps == 2000
     assert config.data.task.class_path == "lit_gmc.data.tasks.Addition"
     assert config.data.engine.class_path == "lit_gmc.data.engines.HFEngine"
     assert (config.data.schedule.class_path, config.data.schedule.init_args.delay) == (
@@ -130,7 +138,7 @@ def test_the_embedded_default_applies_without_a_config():
 
 def test_help_lists_each_components_options(help_text):
     for flag in ("--data.schedule.help", "--data.engine.help", "--data.task.help", "--data.reward",
-                 "--checkpoint.at_steps"):  # fmt: skip
+                 "--checkpoint.at_steps", "--model.correction.help", "--optimizer", "--lr_scheduler"):  # fmt: skip
         assert flag in help_text, flag
     for schedule, option in (("FixedDelay", "delay"), ("Sync", "inner_steps"), ("VirtualClock", "max_launches"),
                              ("Live", "max_staleness")):  # fmt: skip
@@ -158,7 +166,7 @@ def test_every_config_parses_and_validates(path):
 def documented_commands() -> list[list[str]]:
     """Every ``python -m lit_gmc fit ...`` command of README.md and the configs' comments, as argument lists.
 
-    Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``gmc``.
+    Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``GMC``.
     """
     texts = [(REPO / "README.md").read_text()] + [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
     commands = []
@@ -166,7 +174,7 @@ def documented_commands() -> list[list[str]]:
         lines = [line.strip().lstrip("#").strip() for line in text.replace("\\\n", " ").splitlines()]
         for line in lines:
             if line.startswith("python -m lit_gmc fit") and "..." not in line and "help" not in line:
-                argv = shlex.split(line.split("  #")[0].split(" [")[0].replace("$rule", "gmc"))[4:]
+                argv = shlex.split(line.split("  #")[0].split(" [")[0].replace("$rule", "GMC"))[4:]
                 commands.append([a.replace("configs/", str(REPO / "configs") + "/") for a in argv])
     return commands
 
@@ -189,26 +197,86 @@ def test_every_documented_command_line_parses(argv, tmp_path, monkeypatch):
     assert config.data.total_updates == config.trainer.max_steps
 
 
-def test_corollary1_threshold_is_refused_for_rules_other_than_gmc():
-    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--model.correction", "tic", "--model.eps_schedule",
-                          "corollary1"], capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
-    assert out.returncode == 2
-    assert "--model.eps_schedule=corollary1" in out.stderr and "'tic'" in out.stderr
+def test_corollary1_cap_schedule_is_refused_for_rules_other_than_gmc():
+    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--model.correction", "TIC",
+                          "--model.correction.cap_schedule", "corollary1"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--model.correction.cap_schedule: TIC has no option cap_schedule" in out.stderr
     assert "group-mass cap" in out.stderr
-    assert parse("--model.correction", "gmc", "--model.eps_schedule", "corollary1").model.eps_schedule == "corollary1"
+    gmc = parse("--model.correction.cap_schedule", "corollary1").model.correction
+    assert (gmc.class_path, gmc.init_args.cap_schedule) == ("lit_gmc.rules.GMC", "corollary1")
+
+
+def test_an_option_of_one_rule_given_to_another_is_refused_naming_it():
+    with pytest.raises(UserError) as refused:
+        parse("--model.correction", "GRPO", "--model.correction.cap", "0.3", "--data.group_size", "1")
+    assert str(refused.value).splitlines() == [
+        "invalid options:",
+        "  --model.correction.cap: GRPO has no option cap (its options: clip, aggregation)",
+        "  --data.group_size=1 must be >= 2 (group advantages need two responses)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rule", "option", "value"),
+    [("GMC", "cap", 0.3), ("TIC", "cap", 0.3), ("GRPO", "clip", 0.25), ("VCPO", "c", 4.0), ("CISPO", "eps_high", 0.3),
+     ("TIS", "C", 3.0), ("A3PO", "behavior_cap", 5.0), ("GAC", "cosine_high", 0.4)],
+)  # fmt: skip
+def test_each_rule_takes_its_own_threshold_and_keeps_its_authors_aggregation(rule, option, value):
+    """Switching rules never carries the previous rule's aggregation over (the embedded default is GMC's)."""
+    correction = parse("--model.correction", rule, f"--model.correction.{option}", str(value)).model.correction
+    assert correction.class_path == f"lit_gmc.rules.{rule}"
+    assert correction.init_args[option] == value and correction.init_args.aggregation is None
+    built = registered_rules()[rule](**correction.init_args.as_dict())
+    authors = {"GMC": "seq_sum_over_T", "TIC": "seq_sum_over_T", "GRPO": "seq_mean_token_mean",
+               "VCPO": "seq_mean_token_mean", "GAC": "seq_mean_token_mean"}  # fmt: skip
+    assert built.aggregation == authors.get(rule, "token_mean")
+
+
+def test_optimizer_and_schedule_options_reach_the_module():
+    config = parse("--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.05", "--lr_scheduler.warmup_fraction", "0.1",
+                   "--trainer.max_steps", "30")  # fmt: skip
+    sgd = {"class_path": "torch.optim.SGD", "init_args": config.optimizer.init_args.as_dict()}
+    assert config.model.optimizer == sgd
+    assert config.model.optimizer["init_args"]["lr"] == 0.05
+    assert config.model.lr_scheduler["init_args"] == {"warmup_fraction": 0.1, "total_steps": 30, "last_epoch": -1}
+    with pytest.raises(UserError, match="ReduceLROnPlateau needs a monitored metric"):
+        parse("--lr_scheduler", "torch.optim.lr_scheduler.ReduceLROnPlateau")
+    with pytest.raises(UserError, match=r"--optimizer \(no class\): not a class with these options: --optimizer.lr=x"):
+        parse("--optimizer.lr", "x")
+
+
+def test_the_qwen3_optimizer_parses_without_bitsandbytes_and_building_it_is_one_message():
+    config = parse("--config", str(REPO / "configs" / "qwen3_4b.yaml"))
+    spec = {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {"lr": 1e-6, "betas": [0.9, 0.999],
+                                                                         "weight_decay": 0.0}}  # fmt: skip
+    assert config.model.optimizer == spec
+    assert config.model.lr_scheduler["init_args"]["warmup_fraction"] == 0.03
+    if importlib.util.find_spec("bitsandbytes") is None:
+        from lit_gmc.optim import build_optimizer
+
+        with pytest.raises(UserError, match="--optimizer bitsandbytes.optim.AdamW8bit: cannot import bitsandbytes"):
+            build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+        with pytest.raises(UserError, match="give the flag null first"):
+            parse("--config", str(REPO / "configs" / "qwen3_4b.yaml"), "--optimizer", "torch.optim.AdamW")
+    cpu = parse("--config", str(REPO / "configs" / "qwen3_4b.yaml"), "--optimizer", "null", "--optimizer",
+                "torch.optim.AdamW", "--optimizer.lr", "1e-6")  # fmt: skip
+    assert cpu.model.optimizer["class_path"] == "torch.optim.AdamW"
 
 
 def test_type_errors_and_range_errors_are_reported_together():
     with pytest.raises(UserError) as refused:
-        parse("--data.group_size", "abc", "--model.lr=x", "--model.eps", "none?", "--data.schedule.delay", "soon",
-              "--data.batch_prompts", "0", "--model.correction", "nope")  # fmt: skip
+        parse("--data.group_size", "abc", "--model.max_grad_norm=x", "--model.correction.cap", "none?",
+              "--data.schedule.delay", "soon", "--data.batch_prompts", "0", "--model.correction", "nope")  # fmt: skip
     assert str(refused.value).splitlines() == [
         "invalid options:",
         "  --data.group_size=abc: expected int",
-        "  --model.lr=x: expected float",
-        "  --model.eps=none?: expected float or null",
+        "  --model.max_grad_norm=x: expected float or null",
+        "  --model.correction.cap=none?: expected float or null",
         "  --data.schedule.delay=soon: expected int",
-        "  --model.correction='nope' is not one of gmc, tic, is, grpo, vcpo, gac, a3po, a3po_capped, cispo, tis",
+        "  --model.correction=nope is not a rule: one of A3PO, CISPO, GAC, GMC, GRPO, IS, TIC, TIS, VCPO, or a "
+        "Correction subclass's import path",
         "  --data.batch_prompts=0 must be >= 1",
     ]
 
@@ -267,6 +335,7 @@ class BuildOnlyCLI(GMCCLI):
 
 def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tmp_path, monkeypatch):
     from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.profilers import PassThroughProfiler
 
     from lit_gmc.cli import UpdateProgressBar
 
@@ -274,83 +343,31 @@ def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tm
     trainer = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3"]).trainer
     bar = trainer.progress_bar_callback
     assert type(bar) is UpdateProgressBar and bar._get_train_description(0) == "updates"
-    assert bar.refresh_rate == 2  # at Lightning's 100 the bar was rebuilt after every tiny update: ~1.2 ms of CPU
+    assert type(trainer.profiler) is PassThroughProfiler  # Lightning's own default, untouched
     args = ["fit", "--trainer.max_steps", "3", "--trainer.callbacks+=RichProgressBar",
             "--trainer.callbacks.refresh_rate=7"]  # fmt: skip
     kept = BuildOnlyCLI(args=args).trainer.progress_bar_callback
     assert type(kept) is RichProgressBar and kept.refresh_rate == 7
 
 
-def test_the_default_profiler_enters_no_generator_and_a_configured_one_is_kept(tmp_path, monkeypatch):
-    import contextlib
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "check"),
+    [(["--model.correction", "GRPO", "--model.correction.clip", "0.25"], "correction/eps"),
+     (["--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.01"], "train/lr")],
+    ids=["grpo-clip", "sgd"],
+)  # fmt: skip
+def test_a_rule_option_and_any_torch_optimizer_run_a_tiny_fit(args, check, tmp_path):
+    """The issue's two commands: both parse and train two updates (SGD used to crash: no schedule to step)."""
+    from run_helpers import fit, write_config
 
-    from lightning.pytorch.profilers import SimpleProfiler
+    from lit_gmc.tblog import read_scalars
 
-    from lit_gmc.cli import NoProfiler
-
-    monkeypatch.chdir(tmp_path)
-    profiler = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3"]).trainer.profiler
-    assert type(profiler) is NoProfiler
-    context = profiler.profile("[Callback]Diagnostics.on_train_batch_end")
-    assert isinstance(context, contextlib.nullcontext) and context is profiler.profile("run_training_batch")
-    assert profiler.summary() == ""  # still Lightning's pass-through profiler for everything else
-    chosen = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3", "--trainer.profiler", "simple"]).trainer.profiler
-    assert type(chosen) is SimpleProfiler
-
-
-def test_the_learner_stores_lightnings_hook_name_as_nn_module_would():
-    import torch
-
-    module = GMCModule(actor="tiny")
-    registered = (dict(module._parameters), dict(module._buffers), dict(module._modules))
-    module._current_fx_name = "on_train_batch_end"  # what Lightning sets around every hook call
-    assert module._current_fx_name == module.__dict__["_current_fx_name"] == "on_train_batch_end"
-    assert (dict(module._parameters), dict(module._buffers), dict(module._modules)) == registered
-    module._current_fx_name = None
-    assert module._current_fx_name is None
-    # Every other name still takes nn.Module's path: a submodule and a parameter are registered, not stored plainly.
-    module.probe = torch.nn.Linear(1, 1)
-    module.scale = torch.nn.Parameter(torch.ones(()))
-    assert "probe" in module._modules and "scale" in module._parameters
-    assert "probe" not in module.__dict__ and "scale" not in module.__dict__
-
-
-def test_the_default_bar_updates_at_its_refresh_rate_and_at_the_last_batch(tmp_path, monkeypatch):
-    """The count and metrics are drawn twice a second: the bar updates them as often, and always at the end."""
-    import itertools
-
-    import lightning.pytorch as pl
-    import torch
-
-    from lit_gmc import cli
-
-    bar = cli.UpdateProgressBar()
-    ticks = itertools.count()  # each batch end reads the clock once: 0.1 s per batch
-    monkeypatch.setattr(bar, "clock", lambda: next(ticks) / 10)
-    drawn, update = [], bar._update
-
-    def noted(task, current, **kwargs):  # Lightning's update of the bar's count, noted
-        drawn.append(current)
-        return update(task, current, **kwargs)
-
-    monkeypatch.setattr(bar, "_update", noted)
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    for stop in ({"max_epochs": 1}, {"max_epochs": -1, "max_steps": 17}):  # the epoch's end, then max_steps
-        drawn.clear()
-        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
-                             callbacks=[bar], default_root_dir=tmp_path, **stop)  # fmt: skip
-        trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(23, 2), batch_size=1))
-        last = 23 if stop["max_epochs"] == 1 else 17
-        assert drawn[0] == 1 and drawn[-1] == last  # the first batch and the last
-        assert all(b - a == 5 for a, b in zip(drawn[:-2], drawn[1:-1], strict=True))  # 0.5 s apart at 2 a second
+    cli = fit(write_config(tmp_path, "run", total=2), *args)
+    assert cli.trainer.global_step == 2
+    values = [value for _, value in read_scalars(tmp_path / "run")[check]]
+    if check == "correction/eps":
+        assert type(cli.model.correction).__name__ == "GRPO" and values == [0.25, 0.25]
+    else:
+        assert type(cli.trainer.optimizers[0]) is torch.optim.SGD
+        assert values == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * s / 2)) for s in range(2)])

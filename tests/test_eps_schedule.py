@@ -1,4 +1,4 @@
-"""Corollary-1 adaptive threshold: the formula, its running moments, its options (GMC only), and a real run."""
+"""Corollary-1 adaptive cap: the formula, GMC's running moments, its options (GMC only), and a real run."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 import torch
 from run_helpers import component, fit, write_config
+from test_cli import parse
 
-from lit_gmc.eps_schedules import (
-    ConstantEps,
-    Corollary1Eps,
-    build_eps_schedule,
-    corollary1_eps,
-    validate_eps_schedule_args,
-)
-from lit_gmc.module import GMCModule, validate_model_args
+from lit_gmc.corrections import registered_rules
+from lit_gmc.eps_schedules import corollary1_eps, corollary1_problems
+from lit_gmc.errors import UserError
+from lit_gmc.rules import GMC
 from lit_gmc.tblog import read_scalars
 
 
@@ -52,11 +49,11 @@ def test_scaling_laws_and_clip():
     [
         ({"tau4": -1.0}, "tau4 must be >= 0"),
         ({"total_updates": 0}, "total_updates must be >= 1"),
-        ({"c": 0.0}, "--model.eps_scale=0.0 must be finite and > 0"),
-        ({"c": float("inf")}, "--model.eps_scale=inf must be finite and > 0"),
-        ({"eps_min": 0.0}, "--model.eps_min=0.0 must be > 0"),
-        ({"eps_max": 0.01}, "--model.eps_max=0.01 must be finite and >= --model.eps_min=0.05"),
-        ({"eps_max": float("inf")}, "--model.eps_max=inf must be finite"),
+        ({"c": 0.0}, "cap_scale=0.0 must be finite and > 0"),
+        ({"c": float("inf")}, "cap_scale=inf must be finite and > 0"),
+        ({"eps_min": 0.0}, "cap_min=0.0 must be > 0"),
+        ({"eps_max": 0.01}, "cap_max=0.01 must be finite and >= cap_min=0.05"),
+        ({"eps_max": float("inf")}, "cap_max=inf must be finite"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
@@ -65,84 +62,81 @@ def test_bad_arguments_are_named(kwargs, message):
         corollary1_eps(**args)
 
 
-@pytest.mark.parametrize("eps", [float("inf"), float("nan"), 0.0, -0.1])
-def test_the_threshold_must_be_finite_and_positive(eps):
+@pytest.mark.parametrize("cap", [float("inf"), float("nan"), 0.0, -0.1])
+def test_the_cap_must_be_finite_and_positive(cap):
     """An infinite 1 + eps cap would silently turn GMC and TIC into unclipped IS."""
-    from lit_gmc.module import validate_model_args
-
-    (problem,) = validate_model_args(**{**MODEL_ARGS, "correction": "gmc", "eps": eps})
-    assert f"--model.eps={eps} must be finite and > 0" in problem
+    for rule in ("GMC", "TIC"):
+        with pytest.raises(ValueError, match=f"cap={cap} must be finite and > 0"):
+            registered_rules()[rule](cap=cap)
 
 
 def test_validation_collects_every_problem():
-    problems = validate_eps_schedule_args(eps_schedule="adaptive", eps_scale=-1.0, eps_min=-1.0, eps_max=-2.0)
-    assert len(problems) == 4
-    assert "--model.eps_schedule='adaptive' is not one of constant, corollary1" in problems[0]
+    problems = GMC.option_problems(0.28, "adaptive", -1.0, -1.0, -2.0, None)
+    assert len(problems) == 4 and len(corollary1_problems(-1.0, -1.0, -2.0)) == 3
+    assert "cap_schedule='adaptive' is not one of constant, corollary1" in problems[0]
 
 
 def test_running_schedule_uses_the_average_fourth_moment_including_the_current_update():
     rng = np.random.default_rng(0)
-    schedule = Corollary1Eps(c=0.375, eps_min=0.01, eps_max=10.0)
+    schedule = GMC(cap_schedule="corollary1", cap_scale=0.375, cap_min=0.01, cap_max=10.0)
     history = []
     for _ in range(30):
         delays = torch.as_tensor(rng.integers(0, 40, size=16))  # per-row delays, as under the live schedule
         history.append(float(np.mean(delays.double().numpy() ** 4)))
-        got = schedule.next_eps(delays, 500)
+        schedule.begin_update(delays, 500)
         want = min(max(direct(float(np.mean(history)), 500, 0.375), 0.01), 10.0) if np.mean(history) else 0.01
-        assert got == pytest.approx(want, rel=1e-12)
-    copy = Corollary1Eps(c=0.375, eps_min=0.01, eps_max=10.0)
+        assert schedule.threshold == pytest.approx(want, rel=1e-12)
+    copy = GMC(cap_schedule="corollary1", cap_scale=0.375, cap_min=0.01, cap_max=10.0)
     copy.load_state_dict(schedule.state_dict())
     nxt = torch.full((16,), 7)
-    assert copy.next_eps(nxt, 500) == schedule.next_eps(nxt, 500)
+    copy.begin_update(nxt, 500)
+    schedule.begin_update(nxt, 500)
+    assert copy.threshold == schedule.threshold
 
 
-def test_constant_schedule_and_the_registry():
-    assert build_eps_schedule("constant", eps=0.28, eps_scale=1.0, eps_min=0.05, eps_max=2.0).next_eps(
-        torch.tensor([100]), 10
-    ) == 0.28  # fmt: skip
-    assert isinstance(build_eps_schedule("constant", eps=0.2, eps_scale=1, eps_min=0.05, eps_max=2.0), ConstantEps)
-    with pytest.raises(ValueError, match="unknown eps schedule 'nope'"):
-        build_eps_schedule("nope", eps=0.2, eps_scale=1, eps_min=0.05, eps_max=2.0)
+def test_constant_cap():
+    gmc = GMC(cap=0.28)
+    gmc.begin_update(torch.tensor([100]), 10)
+    assert gmc.threshold == 0.28 and gmc.state_dict() == {}
     with pytest.raises(ValueError, match="set --trainer.max_steps"):
-        Corollary1Eps(1.0, 0.05, 2.0).next_eps(torch.tensor([1]), -1)
+        GMC(cap_schedule="corollary1").begin_update(torch.tensor([1]), -1)
 
 
-MODEL_ARGS = {"eps": None, "aggregation": None, "lr": 1e-4, "warmup_fraction": 0.0, "optimizer": "adamw",
-              "max_grad_norm": 1.0, "micro_batch_groups": 1, "logit_chunk_tokens": 8, "dtype": "float32"}  # fmt: skip
-
-
-def test_corollary1_is_gmc_only_and_the_refusal_names_the_flags_and_the_reason():
-    """Corollary 1's rate is derived for GMC's group-mass cap: TIC (a different bias term) and rules whose eps is
-    not a cap are refused, each in one line naming both flags."""
-    assert validate_model_args(correction="gmc", eps_schedule="corollary1", **MODEL_ARGS) == []
-    for rule in ("tic", "vcpo", "grpo", "a3po"):
-        assert validate_model_args(correction=rule, eps_schedule="constant", **MODEL_ARGS) == []
-        (problem,) = validate_model_args(correction=rule, eps_schedule="corollary1", **MODEL_ARGS)
-        assert "--model.eps_schedule=corollary1" in problem and f"--model.correction={rule!r}" in problem
-        assert "derived for GMC's group-mass cap" in problem and "--model.correction=gmc" in problem
-    (tic,) = validate_model_args(correction="tic", eps_schedule="corollary1", **MODEL_ARGS)
-    assert "rho > 1 + eps, a different bias term" in tic
-    with pytest.raises(ValueError, match="--model.correction='tic'"):
-        GMCModule(correction="tic", eps_schedule="corollary1")  # fails before the actor is built
+@pytest.mark.parametrize("rule", ["TIC", "VCPO", "GRPO", "A3PO", "IS"])
+def test_corollary1_is_gmc_only_and_the_refusal_names_the_flag_and_the_reason(rule):
+    """Corollary 1's rate is derived for GMC's group-mass cap: no other rule has the option, and giving it to one is
+    refused in one line naming the flag, the rule and the reason."""
+    gmc = parse("--model.correction.cap_schedule", "corollary1").model.correction
+    assert gmc.init_args.cap_schedule == "corollary1"
+    assert "cap_schedule" not in registered_rules()[rule].__init__.__code__.co_varnames
+    with pytest.raises(UserError) as refused:
+        parse("--model.correction", rule, "--model.correction.cap_schedule", "corollary1")
+    message = str(refused.value)
+    assert f"--model.correction.cap_schedule: {rule} has no option cap_schedule" in message
+    assert "the Corollary-1 cap schedule is GMC's alone" in message
 
 
 def test_cli_rejects_bad_schedule_options():
     """A closed choice is refused by the parser (its type is a Literal); range errors by the one-message check."""
+
     def fit_with(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args, "--trainer.max_steps", "2"],
                               capture_output=True, text=True, timeout=180)  # fmt: skip
 
-    choice = fit_with("--model.eps_schedule", "adaptive")
-    assert choice.returncode == 2 and "eps_schedule" in choice.stderr and "corollary1" in choice.stderr
-    ranges = fit_with("--model.eps_schedule", "corollary1", "--model.eps_min", "0", "--model.eps_max", "-1")
+    choice = fit_with("--model.correction.cap_schedule", "adaptive")
+    assert choice.returncode == 2 and "cap_schedule" in choice.stderr and "corollary1" in choice.stderr
+    ranges = fit_with("--model.correction.cap_schedule", "corollary1", "--model.correction.cap_min", "0",
+                      "--model.correction.cap_max", "-1")  # fmt: skip
     assert ranges.returncode == 2 and ranges.stderr.count("invalid options") == 1
-    assert "--model.eps_min=0.0 must be > 0" in ranges.stderr and "--model.eps_max=-1.0" in ranges.stderr
+    assert "--model.correction.cap_min=0.0 must be > 0" in ranges.stderr
+    assert "--model.correction.cap_max=-1.0" in ranges.stderr
 
 
 def test_a_real_run_logs_the_schedule_and_checkpoints_its_moments(tmp_path):
     """Fixed delay 2 over 5 updates: delays 0, 1, 2, 2, 2. Logged eps equals the formula on the logged delays,
     and a run resumed from the step-2 checkpoint continues with the same thresholds."""
-    opts = ["--model.eps_schedule", "corollary1", "--model.eps_scale", "0.375", "--model.eps_min", "0.01"]
+    opts = ["--model.correction.cap_schedule", "corollary1", "--model.correction.cap_scale", "0.375",
+            "--model.correction.cap_min", "0.01"]  # fmt: skip
     config = write_config(tmp_path, "whole", total=5, every=2, schedule=component("FixedDelay", delay=2))
     cli = fit(config, *opts)
     # the progress bar's figures (Lightning's bar shows what the module logs with prog_bar=True)
@@ -156,8 +150,8 @@ def test_a_real_run_logs_the_schedule_and_checkpoints_its_moments(tmp_path):
     assert [v for _, v in scalars["correction/eps"]] == pytest.approx(want, rel=1e-6)
 
     ckpt = torch.load(tmp_path / "whole" / "checkpoints" / "epoch=0-step=2.ckpt", weights_only=False)
-    assert ckpt["eps_schedule"]["moments"]["updates"] == 2
-    assert ckpt["eps_schedule"]["moments"]["sum_p4"] == pytest.approx(1.0)
+    assert ckpt["correction"]["moments"]["updates"] == 2
+    assert ckpt["correction"]["moments"]["sum_p4"] == pytest.approx(1.0)
     resumed = write_config(tmp_path, "resumed", total=5, schedule=component("FixedDelay", delay=2))
     fit(resumed, *opts, "--ckpt_path", str(tmp_path / "whole" / "checkpoints" / "epoch=0-step=2.ckpt"))
     again = dict(read_scalars(tmp_path / "resumed")["correction/eps"])

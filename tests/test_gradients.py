@@ -15,6 +15,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc.batch import RolloutGroup, collate_groups
 from lit_gmc.module import GMCModule
+from lit_gmc.rules import GMC, GRPO, IS, TIC
 
 T_MAX = 7  # the paper's normaliser T (max completion length)
 EPS = 0.28
@@ -148,7 +149,8 @@ def relative_error(a, b) -> float:
 
 @pytest.mark.parametrize("rule", ["gmc", "tic", "is", "grpo"])
 def test_autograd_gradient_equals_the_estimator(rule, tiny_actor_dir, char_tokenizer, float64_rmsnorm):
-    module = GMCModule(actor=str(tiny_actor_dir), correction=rule, dtype="float64", max_response_length=T_MAX,
+    correction = {"gmc": GMC(cap=EPS), "tic": TIC(cap=EPS), "is": IS(), "grpo": GRPO(clip=0.2)}[rule]
+    module = GMCModule(actor=str(tiny_actor_dir), correction=correction, dtype="float64", max_response_length=T_MAX,
                        micro_batch_groups=1, logit_chunk_tokens=3)  # fmt: skip
     _, batch = make_batch(char_tokenizer, seed=3)
     rows = per_sample(module.actor, batch)

@@ -12,7 +12,7 @@ from run_helpers import tiny_data
 
 from lit_gmc import objectives as O
 from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.corrections import CORRECTIONS, Correction, CorrectionOutput, PolicyTerms, register
+from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
 from lit_gmc.data.datamodule import checked_rewards
 from lit_gmc.module import GMCModule
 
@@ -49,37 +49,36 @@ def test_a_nan_reward_stops_the_run_where_it_enters():
     assert all(torch.equal(before[k], v) for k, v in module.actor.state_dict().items())
 
 
-def nan_gradient(terms: PolicyTerms, eps: float) -> CorrectionOutput:
+class NanGradient(Correction):
     """A finite loss (0) whose gradient is NaN: d sqrt(x) / dx at 0 is inf, times the 0 inside."""
-    token_loss = torch.sqrt(terms.token_logprobs * 0.0) * terms.mask  # (n, L), value 0, gradient nan
-    n = terms.rewards.numel()
-    zeros = terms.rewards.new_zeros(n)
-    return CorrectionOutput(token_loss, zeros, zeros + 1, O.group_centered_advantages(terms.rewards, terms.group_size))
+
+    def __init__(self) -> None:
+        super().__init__("seq_sum_over_T")
+
+    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+        token_loss = torch.sqrt(terms.token_logprobs * 0.0) * terms.mask  # (n, L), value 0, gradient nan
+        zeros = terms.rewards.new_zeros(terms.rewards.numel())
+        adv = O.group_centered_advantages(terms.rewards, terms.group_size)
+        return CorrectionOutput(token_loss, zeros, zeros + 1, adv)
 
 
-def nan_loss(terms: PolicyTerms, eps: float) -> CorrectionOutput:
-    out = nan_gradient(terms, eps)
-    return CorrectionOutput(out.token_loss + math.nan, out.log_rho, out.coefficients, out.advantages)
+class NanLoss(NanGradient):
+    """A NaN loss."""
 
-
-@pytest.fixture
-def test_rules():
-    register("test_nan_gradient", Correction(nan_gradient, 0.2, "seq_sum_over_T"))
-    register("test_nan_loss", Correction(nan_loss, 0.2, "seq_sum_over_T"))
-    yield
-    CORRECTIONS.pop("test_nan_gradient")
-    CORRECTIONS.pop("test_nan_loss")
+    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+        out = super().__call__(terms)
+        return CorrectionOutput(out.token_loss + math.nan, out.log_rho, out.coefficients, out.advantages)
 
 
 @pytest.mark.parametrize(
     ("rule", "message"),
     [
-        ("test_nan_gradient", r"update 0: the gradient norm is nan \(first non-finite in actor\.[\w.]+\); the weights"),
-        ("test_nan_loss", r"update 0: the loss is nan; the weights were not changed"),
+        (NanGradient, r"update 0: the gradient norm is nan \(first non-finite in actor\.[\w.]+\); the weights"),
+        (NanLoss, r"update 0: the loss is nan; the weights were not changed"),
     ],
 )
-def test_a_non_finite_update_stops_before_the_optimizer_step(test_rules, rule, message):
-    module = GMCModule(correction=rule, max_response_length=4)
+def test_a_non_finite_update_stops_before_the_optimizer_step(rule, message):
+    module = GMCModule(correction=rule(), max_response_length=4)
     before = {k: v.clone() for k, v in module.actor.state_dict().items()}
     with pytest.raises(FloatingPointError, match=message):
         run(module)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import CORRECTIONS, PolicyTerms
+from lit_gmc.corrections import PolicyTerms
+from lit_gmc.rules import GMC, GRPO, IS, TIC
 
 SEEDS = range(20)
 
@@ -120,7 +121,7 @@ def test_gmc_group_factor_gets_no_gradient():
     mask = torch.ones(g, length, dtype=torch.bool)
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
     terms = PolicyTerms(current, behavior, mask, rewards, torch.zeros(g, dtype=torch.long), g)
-    out = CORRECTIONS["gmc"].fn(terms, 0.28)
+    out = GMC(cap=0.28)(terms)
     assert not out.coefficients.requires_grad
     loss = O.aggregate_loss(out.token_loss, mask, "seq_sum_over_T", max_length=5, total_sequences=g, total_tokens=12)
     (grad,) = torch.autograd.grad(loss, current)
@@ -146,7 +147,7 @@ def test_tic_does_not_look_at_the_advantage_sign():
         terms = PolicyTerms(current, torch.zeros_like(current), torch.ones(g, 1, dtype=torch.bool),
                             torch.tensor(rewards, dtype=torch.float64), torch.zeros(g, dtype=torch.long),
                             g)  # fmt: skip
-        assert CORRECTIONS["tic"].fn(terms, 0.28).coefficients[0] == 0
+        assert TIC(cap=0.28)(terms).coefficients[0] == 0
 
 
 @pytest.mark.parametrize("rule", ["gmc", "tic"])
@@ -238,8 +239,9 @@ def test_padding_never_changes_the_loss_or_gets_gradient(rule):
 
     def loss_of(cur, beh):
         terms = PolicyTerms(cur, beh, mask, rewards, torch.zeros(g, dtype=torch.long), g)
-        out = CORRECTIONS[rule].fn(terms, 0.28)
-        return O.aggregate_loss(out.token_loss, mask, CORRECTIONS[rule].aggregation, max_length=5,
+        correction = {"gmc": GMC(cap=0.28), "tic": TIC(cap=0.28), "is": IS(), "grpo": GRPO(clip=0.28)}[rule]
+        out = correction(terms)
+        return O.aggregate_loss(out.token_loss, mask, correction.aggregation, max_length=5,
                                 total_sequences=g, total_tokens=int(mask.sum()))  # fmt: skip
 
     base = loss_of(current, behavior)

@@ -53,3 +53,39 @@ def test_a_task_and_a_reward_from_a_user_module(tmp_path, monkeypatch):
     rewards = [value for _, value in read_scalars(tmp_path / "own_reward")["train/reward"]]
     assert rewards == [0.5, 0.5, 0.5]  # the dotted-path reward replaced the task's score
     assert not cli.datamodule.task.scored
+
+
+USER_RULE = '''
+import torch
+
+from lit_gmc import objectives as O
+from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, trajectory_output
+
+
+class HalfIS(Correction):
+    """A user's rule in one class: importance ratios times ``scale``, leave-one-out advantages."""
+
+    def __init__(self, scale: float = 0.5, aggregation: str | None = None) -> None:
+        super().__init__(aggregation or "seq_sum_over_T")
+        self.scale = scale
+        self.calls = 0
+
+    @property
+    def threshold(self) -> float:
+        return self.scale
+
+    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+        self.calls += 1
+        log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask)
+        coef = self.scale * torch.exp(log_rho.detach())
+        return trajectory_output(terms, coef, O.leave_one_out_advantages(terms.rewards, terms.group_size), log_rho)
+'''
+
+
+def test_a_rule_from_a_user_module_is_one_class(tmp_path, monkeypatch):
+    (tmp_path / "user_rules.py").write_text(textwrap.dedent(USER_RULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_config(tmp_path, "own_rule", total=2)
+    cli = fit(config, "--model.correction", "user_rules.HalfIS", "--model.correction.scale", "0.25")
+    assert type(cli.model.correction).__name__ == "HalfIS" and cli.model.correction.calls == 2
+    assert [value for _, value in read_scalars(tmp_path / "own_rule")["correction/eps"]] == [0.25, 0.25]

@@ -32,7 +32,7 @@ from lit_gmc.objectives import token_entropy_from_logits
 
 
 def shipped_qwen3_settings() -> SimpleNamespace:
-    """trainer.precision, model.dtype, model.optimizer and model.lr of configs/qwen3_4b.yaml as the CLI parses it
+    """trainer.precision, model.dtype, the optimizer and its lr of configs/qwen3_4b.yaml as the CLI parses it
     (the configs/model/qwen3_*.yaml fragments are layered over it and change none of them)."""
     from lit_gmc.cli import GMCCLI
 
@@ -46,7 +46,7 @@ def shipped_qwen3_settings() -> SimpleNamespace:
     qwen3 = Path(__file__).parents[1] / "configs" / "qwen3_4b.yaml"
     config = ParseOnly(args=["fit", "--config", str(qwen3)]).config.fit
     return SimpleNamespace(precision=config.trainer.precision, dtype=config.model.dtype,
-                           optimizer=config.model.optimizer, lr=config.model.lr)  # fmt: skip
+                           optimizer=config.model.optimizer, lr=config.model.optimizer["init_args"]["lr"])  # fmt: skip
 
 
 SHIPPED = shipped_qwen3_settings()
@@ -102,10 +102,14 @@ def _as_is(batch):
     return batch
 
 
-def one_update(actor_dir, batch, *, precision: str, dtype: str, optimizer: str = "adamw", accelerator: str = "cpu",
-               callbacks: tuple = ()):  # fmt: skip
+TORCH_ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {**SHIPPED.optimizer["init_args"], "lr": LR}}
+"""The CPU stand-in of the shipped 8-bit AdamW: torch's, with the same options."""
+
+
+def one_update(actor_dir, batch, *, precision: str, dtype: str, optimizer: dict = TORCH_ADAMW,
+               accelerator: str = "cpu", callbacks: tuple = ()):  # fmt: skip
     """``(module, snapshot, trainer)`` after one optimizer update of ``GMCModule`` at lr 1e-6 on ``batch``."""
-    module = GMCModule(actor=str(actor_dir), dtype=dtype, lr=LR, optimizer=optimizer, max_response_length=T_MAX,
+    module = GMCModule(actor=str(actor_dir), dtype=dtype, optimizer=optimizer, max_response_length=T_MAX,
                        micro_batch_groups=1, logit_chunk_tokens=3, gradient_checkpointing=True)  # fmt: skip
     snapshot = Snapshot()
     trainer = pl.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=1, logger=False,
@@ -131,7 +135,9 @@ def changed_fraction(module: GMCModule, before: dict[str, torch.Tensor]) -> floa
 
 def test_the_shipped_settings_are_the_papers():
     # bitsandbytes' 8-bit AdamW needs CUDA: the CPU tests step torch's AdamW, the cuda-marked one the 8-bit one
-    assert (SHIPPED_PRECISION, SHIPPED_DTYPE, SHIPPED.optimizer, LR) == ("bf16-mixed", "float32", "adamw8bit", 1e-6)
+    shipped = (SHIPPED_PRECISION, SHIPPED_DTYPE, SHIPPED.optimizer["class_path"], LR)
+    assert shipped == ("bf16-mixed", "float32", "bitsandbytes.optim.AdamW8bit", 1e-6)
+    assert SHIPPED.optimizer["init_args"] == {"lr": 1e-6, "betas": [0.9, 0.999], "weight_decay": 0.0}
 
 
 def test_shipped_precision_keeps_every_update_at_lr_1e_6(actor_dir, char_tokenizer):
@@ -262,8 +268,9 @@ def wide_actor_dir(tmp_path_factory, char_tokenizer) -> Path:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason=f"needs bitsandbytes: {BNB_INSTALL}")
 def test_8bit_adamw_on_fp32_masters_keeps_the_update(wide_actor_dir, char_tokenizer):
-    module, snapshot, trainer = one_update(wide_actor_dir, rollout_batch(char_tokenizer), precision=SHIPPED_PRECISION,
-                                           dtype=SHIPPED_DTYPE, optimizer="adamw8bit", accelerator="gpu")  # fmt: skip
+    batch = rollout_batch(char_tokenizer)
+    module, snapshot, trainer = one_update(wide_actor_dir, batch, precision=SHIPPED_PRECISION, dtype=SHIPPED_DTYPE,
+                                           optimizer=SHIPPED.optimizer, accelerator="gpu")  # fmt: skip
     states = trainer.optimizers[0].state.values()
     assert any(s.get("state1") is not None and s["state1"].dtype == torch.uint8 for s in states), "no 8-bit state"
     assert changed_fraction(module, snapshot.before) >= KEEPS_UPDATE

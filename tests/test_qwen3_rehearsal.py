@@ -65,7 +65,8 @@ def cpu_overrides(actor: Path, data: Path, steps: int) -> list[str]:
     return [
         "--model.actor", str(actor),
         "--trainer.accelerator", "cpu",
-        "--model.optimizer", "adamw",
+        "--optimizer", "null", "--optimizer", "torch.optim.AdamW",  # for bitsandbytes' 8-bit AdamW (CUDA only)
+        "--optimizer.lr", "1e-6", "--optimizer.weight_decay", "0.0",
         "--data.engine.devices", "null",
         "--data.task.path", str(data / "math_train.jsonl"),
         "--trainer.callbacks.init_args.data_dir", str(data),

@@ -34,7 +34,8 @@ def test_every_checkpoint_records_the_runs_settings(finished):
     _, run = finished
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     settings = checkpoint[SETTINGS_KEY]
-    assert settings["--data.group_size"] == 4 and settings["--model.correction"] == "gmc"
+    assert settings["--data.group_size"] == 4 and settings["--model.correction"] == "lit_gmc.rules.GMC"
+    assert settings["--model.correction.cap"] == 0.28 and settings["--lr_scheduler.warmup_fraction"] == 0.0
     assert settings["--data.schedule"] == "lit_gmc.data.schedules.FixedDelay" and settings["--data.schedule.delay"] == 2
     assert settings["--data.task"] == "lit_gmc.data.tasks.Addition" and "--data.engine.batch_rows" in settings
 
@@ -42,11 +43,12 @@ def test_every_checkpoint_records_the_runs_settings(finished):
 def test_a_resume_with_another_group_size_is_refused_naming_each_change(finished):
     config, run = finished
     with pytest.raises(UserError) as refused:
-        fit(config, "--data.group_size", "2", "--model.lr", "1e-3", "--data.schedule.delay", "3",
+        fit(config, "--data.group_size", "2", "--model.correction.cap", "0.3", "--data.schedule.delay", "3",
             "--ckpt_path", "last")  # fmt: skip
     message = str(refused.value)
     assert "last.ckpt was saved with other settings" in message
-    for line in ("--data.group_size: 4 in the checkpoint, 2 now", "--model.lr: 0.0002 in the checkpoint, 0.001 now",
+    for line in ("--data.group_size: 4 in the checkpoint, 2 now",
+                 "--model.correction.cap: 0.28 in the checkpoint, 0.3 now",
                  "--data.schedule.delay: 2 in the checkpoint, 3 now"):  # fmt: skip
         assert line in message, message
     assert "--trainer.max_steps" not in message and "--data.total_updates" not in message
@@ -97,6 +99,25 @@ def test_what_may_change_is_not_compared():
                       "--model.dtype", "float64", "--data.engine.batch_rows", "8")  # fmt: skip
     changed = [line.split(":")[0] for line in changed_settings(saved, now)]
     assert changed == ["--model.dtype", "--data.engine.batch_rows", "--data.schedule.lam", "--trainer.precision"]
+
+
+def test_rule_optimizer_and_schedule_options_are_compared_flag_by_flag():
+    saved = settings_of("--model.correction", "GRPO", "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1",
+                        "--lr_scheduler.warmup_fraction", "0.1")  # fmt: skip
+    now = settings_of("--model.correction", "GRPO", "--model.correction.clip", "0.25", "--optimizer",
+                      "torch.optim.SGD", "--optimizer.lr", "0.2", "--lr_scheduler.warmup_fraction", "0.2",
+                      "--trainer.max_steps", "9")  # fmt: skip
+    assert changed_settings(saved, now) == [
+        "--model.correction.clip: 0.2 in the checkpoint, 0.25 now",
+        "--optimizer.lr: 0.1 in the checkpoint, 0.2 now",
+        "--lr_scheduler.warmup_fraction: 0.1 in the checkpoint, 0.2 now",
+    ]  # the schedule's total_steps follows --trainer.max_steps, which may change
+    other = settings_of("--model.correction", "TIC", "--optimizer", "torch.optim.AdamW")
+    assert changed_settings(saved, other) == [
+        "--model.correction: 'lit_gmc.rules.GRPO' in the checkpoint, 'lit_gmc.rules.TIC' now",
+        "--optimizer: 'torch.optim.SGD' in the checkpoint, 'torch.optim.AdamW' now",
+        "--lr_scheduler.warmup_fraction: 0.1 in the checkpoint, 0.0 now",
+    ]
 
 
 def test_a_checkpoint_from_before_the_settings_compares_its_hyperparameters(tmp_path):

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from lit_gmc.batch import RolloutBatch
 from lit_gmc.data import datamodule
 from lit_gmc.module import GMCModule
+from lit_gmc.rules import VCPO
 from lit_gmc.strategies import FSDP2Strategy
 from lit_gmc.tblog import read_scalars
 
@@ -53,7 +54,7 @@ def single(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for rule in ("gmc", "gac"):
         config = write_config(root, rule, total=TOTAL, every=EVERY, batch_prompts=4)
-        done = run_subprocess(config, *MICRO, "--model.correction", rule)
+        done = run_subprocess(config, *MICRO, "--model.correction", rule.upper())
         assert done.returncode == 0, done.stderr[-3000:]
         runs[rule] = root / rule
     return runs
@@ -77,7 +78,7 @@ def assert_reproduces(got: Path, want: Path, tol: float = 1e-5) -> None:
 @pytest.mark.parametrize(("strategy", "rule"), [("ddp", "gmc"), ("fsdp2", "gac")])
 def test_two_processes_reproduce_the_single_process_run(tmp_path, single, strategy, rule):
     config = write_config(tmp_path, "two", total=TOTAL, every=EVERY, batch_prompts=4)
-    done = run_subprocess(config, *TWO, *STRATEGIES[strategy], *MICRO, "--model.correction", rule, timeout=400)
+    done = run_subprocess(config, *TWO, *STRATEGIES[strategy], *MICRO, "--model.correction", rule.upper(), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_reproduces(tmp_path / "two", single[rule])
 
@@ -89,7 +90,7 @@ def test_two_processes_reproduce_the_single_process_run(tmp_path, single, strate
 def test_kill_9_of_two_processes_then_ckpt_path_last_gives_the_unbroken_records(tmp_path, single, strategy, rule):
     """Both processes killed (the node dies) once the checkpoint at step 8 is written; resumed from the shell."""
     config = write_config(tmp_path, "killed", total=TOTAL, every=EVERY, batch_prompts=4)
-    args = (*TWO, *STRATEGIES.get(strategy, SHARDED), *MICRO, "--model.correction", rule)
+    args = (*TWO, *STRATEGIES.get(strategy, SHARDED), *MICRO, "--model.correction", rule.upper())
     checkpoint = tmp_path / "killed" / "checkpoints" / f"epoch=0-step={2 * EVERY}.ckpt"
     if strategy == "fsdp2_sharded":
         checkpoint = checkpoint / "meta.pt"  # written by rank 0 after every shard
@@ -173,9 +174,9 @@ def one_process_group():
 
 
 def test_vcpo_under_fsdp2_is_refused_with_the_reason(one_process_group):
-    module = GMCModule(correction="vcpo")
+    module = GMCModule(correction=VCPO())
     module._device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
-    with pytest.raises(ValueError, match="--model.correction=vcpo needs the exact gradient norm of every trajectory"):
+    with pytest.raises(ValueError, match="--model.correction=VCPO needs the exact gradient norm of every trajectory"):
         module.configure_model()
     gmc = GMCModule()
     gmc._device_mesh = module.device_mesh

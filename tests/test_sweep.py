@@ -26,10 +26,12 @@ def test_grid_order_and_names():
     names = [spec.name for spec in sweep.expand_grid(args)]
     assert names == ["gmc-d0-g8-s0", "gmc-d0-g8-s1", "gmc-d8-g8-s0", "gmc-d8-g8-s1",
                      "tic-d0-g8-s0", "tic-d0-g8-s1", "tic-d8-g8-s0", "tic-d8-g8-s1"]  # fmt: skip
-    adaptive = grid_args("--methods", "gmc", "--delays", "128", "--seeds", "2", "--eps-schedule", "corollary1",
-                         "--tag", "fast", "--set", "model.lr=1e-4")  # fmt: skip
+    adaptive = grid_args("--methods", "GMC", "--delays", "128", "--seeds", "2", "--eps-schedule", "corollary1",
+                         "--tag", "fast", "--set", "optimizer.init_args.lr=1e-4")  # fmt: skip
     (spec,) = sweep.expand_grid(adaptive)
-    assert spec.name == "gmc-d128-g8-s2-corollary1-fast" and spec.overrides == {"model.lr": 1e-4}
+    assert spec.name == "gmc-d128-g8-s2-corollary1-fast" and spec.overrides == {"optimizer.init_args.lr": 1e-4}
+    gmc = {"class_path": "lit_gmc.rules.GMC", "init_args": {"cap_schedule": "corollary1"}}
+    assert sweep.run_config(spec, Path("x"))["model"]["correction"] == gmc
 
 
 def test_run_config_sets_the_axes_and_keeps_rule_defaults(tmp_path):
@@ -39,8 +41,8 @@ def test_run_config_sets_the_axes_and_keeps_rule_defaults(tmp_path):
     assert config["seed_everything"] == 1 and config["data"]["seed"] == 1
     fixed_delay = {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 32}}
     assert config["data"] == {"schedule": fixed_delay, "group_size": 4, "seed": 1, "batch_prompts": 2}
-    assert config["model"]["correction"] == "grpo" and config["model"]["eps"] is None  # GRPO keeps its clip 0.2
-    assert config["model"]["aggregation"] is None
+    # GRPO keeps its own options (clip 0.2, its authors' aggregation)
+    assert config["model"]["correction"] == {"class_path": "lit_gmc.rules.GRPO", "init_args": {}}
     classes = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
     assert classes == ["WeightSync", "DelayAccounting", "Diagnostics"]
     assert config["checkpoint"]["dirpath"] == str(tmp_path / "checkpoints")
@@ -64,6 +66,9 @@ def test_d0_is_the_papers_synchronous_protocol(tmp_path):
         (["--delays", "-1"], "--delays: -1 must be >= 0"),
         (["--group-sizes", "1"], "--group-sizes: 1 must be >= 2"),
         (["--parallel", "0"], "--parallel must be >= 1"),
+        (["--methods", "nope"], "--methods: nope is not one of a3po cispo gac gmc grpo is tic tis vcpo"),
+        (["--methods", "gmc", "tic", "--eps-schedule", "corollary1"], "is GMC's cap schedule: use it with --methods"),
+        (["--set", "model.correction.init_args.cap=0.3"], "model.correction.init_args.cap is a grid axis"),
     ],
 )
 def test_bad_arguments_are_named(extra, message, capsys):

@@ -224,7 +224,7 @@ def test_tables_from_real_tiny_runs(tmp_path, shared_data):
     for rule in ("gmc", "tic"):
         config = write_config(tmp_path / "suite", f"tiny_{rule}", total=3, extra_callbacks=[evaluation],
                               schedule=component("VirtualClock", lam=300.0))  # fmt: skip
-        fit(config, "--model.correction", rule)
+        fit(config, "--model.correction", rule.upper())
     out = tmp_path / "tables"
     tables.main(["--runs-root", str(tmp_path / "suite"), "--out", str(out)])
     text = (out / "paper_tables.md").read_text()

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lit_gmc.rules
 from lit_gmc import objectives as O
 from lit_gmc.baselines import MIN_REWARD_STD, group_normalized_advantages, vcpo_baseline
-from lit_gmc.corrections import CORRECTIONS, PolicyTerms
+from lit_gmc.corrections import PolicyTerms, registered_rules
 
 GROUP_SIZES = (2, 3, 5, 8)
 DTYPES = (torch.float32, torch.float64)
@@ -128,15 +129,19 @@ def test_nan_rewards_are_never_ties():
 # --- every rule of the registry -----------------------------------------------------------------
 
 
+RULES = {name: registered_rules()[name]() for name in lit_gmc.rules.__all__}  # the built-in rules
+RULES["A3PO_capped"] = registered_rules()["A3PO"](behavior_cap=5.0)  # AReaL's masking of pi_prox / pi_b > 5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("g", GROUP_SIZES)
-@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+@pytest.mark.parametrize("name", sorted(RULES))
 def test_every_rule_gives_zero_advantages_and_zero_gradient_on_an_all_tied_batch(name, g, dtype):
-    entry = CORRECTIONS[name]
+    entry = RULES[name]
     for seed in range(2):
         rewards = tied_batch(tied_values(seed), g, dtype)
         terms = policy_terms(rewards, g, seed)
-        out = entry.fn(terms, entry.default_eps)
+        out = entry(terms)
         assert (out.advantages == 0).all(), out.advantages[out.advantages != 0]
         loss = O.aggregate_loss(
             out.token_loss, terms.mask, entry.aggregation,
@@ -147,13 +152,13 @@ def test_every_rule_gives_zero_advantages_and_zero_gradient_on_an_all_tied_batch
         assert loss.item() == 0
 
 
-@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+@pytest.mark.parametrize("name", sorted(RULES))
 def test_every_rule_still_learns_from_the_untied_groups_of_a_mixed_batch(name):
     """Zeroing ties does not switch a rule off: untied groups get nonzero advantages and gradient, tied ones none."""
-    g, entry = 4, CORRECTIONS[name]
+    g, entry = 4, RULES[name]
     rewards = torch.tensor([0.7] * g + [1.0, 0.0, 0.0, 1.0] + [1 / 3] * g)
     terms = policy_terms(rewards, g, seed=0)
-    out = entry.fn(terms, entry.default_eps)
+    out = entry(terms)
     loss = O.aggregate_loss(out.token_loss, terms.mask, entry.aggregation, max_length=LENGTH,
                             total_sequences=rewards.numel(), total_tokens=int(terms.mask.sum()))  # fmt: skip
     (grad,) = torch.autograd.grad(loss, terms.token_logprobs)

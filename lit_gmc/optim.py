@@ -1,0 +1,110 @@
+"""The optimizer and learning-rate schedule of a run, as LightningCLI components (``--optimizer``, ``--lr_scheduler``).
+
+``--optimizer`` takes any ``torch.optim.Optimizer`` subclass by import path (``torch.optim.AdamW``, the configs'
+default; ``bitsandbytes.optim.AdamW8bit`` for the Qwen3 configs) and ``--lr_scheduler`` any LR schedule class; the
+module builds both in ``configure_optimizers`` (after FSDP2 has sharded the actor) and steps them itself, once per
+update. An optimizer whose package is not installed here still parses (the config is kept as a dict), so a Qwen3
+config can be read on a machine without bitsandbytes; building it then fails with one :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import ReduceLROnPlateau
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+from transformers import get_cosine_schedule_with_warmup
+
+from lit_gmc.errors import UserError
+
+OptimizerSpec = Callable[[Iterable], Optimizer] | dict
+"""What ``--optimizer`` parses to: a callable of the parameters, or ``{class_path, init_args}`` of a class whose
+package cannot be imported here (resolved, or refused with one message, by :func:`build_optimizer`)."""
+SchedulerSpec = Callable[[Optimizer], LRScheduler | ReduceLROnPlateau] | dict
+"""What ``--lr_scheduler`` parses to: a callable of the optimizer, or ``{class_path, init_args}``."""
+
+
+class CosineWithWarmup(LambdaLR):
+    """transformers' cosine schedule with linear warm-up, the warm-up given as a fraction of the run.
+
+    transformers gives this schedule as a function (``get_cosine_schedule_with_warmup``) returning a ``LambdaLR``;
+    LightningCLI builds schedules from classes, so this ``LambdaLR`` takes transformers' multiplier (built once on a
+    one-parameter stand-in optimizer, so the run's optimizer is touched once). One shift, kept from lit_gmc's first
+    runs: warm-up update ``k`` (from 0) uses transformers' multiplier of ``k + 1``, ``(k + 1) / W``, so the first
+    update is not taken at a learning rate of 0; after warm-up the multiplier is transformers' own. The decay ends at
+    0 at ``total_steps`` (``--trainer.max_steps``, filled in by the CLI when not given).
+
+    Args:
+        optimizer: The optimizer whose learning rate is scheduled.
+        warmup_fraction: Fraction of ``total_steps`` of linear warm-up (``int(warmup_fraction * total_steps)``
+            updates; the Qwen3 configs' 0.03).
+        total_steps: Planned number of updates; ``null`` takes ``--trainer.max_steps``.
+        last_epoch: ``LambdaLR``'s index of the last step taken (-1: a new schedule).
+    """
+
+    def __init__(
+        self, optimizer: Optimizer, warmup_fraction: float = 0.0, total_steps: int | None = None, last_epoch: int = -1
+    ) -> None:
+        if not 0 <= warmup_fraction < 1:
+            raise UserError(f"--lr_scheduler.warmup_fraction={warmup_fraction} must be in [0, 1)")
+        if total_steps is None or total_steps < 1:
+            raise UserError(f"--lr_scheduler.total_steps={total_steps}: CosineWithWarmup needs the planned number of "
+                            "updates (set --trainer.max_steps)")  # fmt: skip
+        warmup = int(warmup_fraction * total_steps)
+        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        cosine = get_cosine_schedule_with_warmup(stand_in, warmup, total_steps).lr_lambdas[0]
+
+        def multiplier(step: int) -> float:  # a plain function: LambdaLR leaves it out of its state_dict
+            return cosine(step + 1 if step < warmup else step)
+
+        self.warmup_steps = warmup
+        super().__init__(optimizer, multiplier, last_epoch)
+
+
+def import_class(class_path: str, flag: str) -> type:
+    """The class named by ``class_path``; a :class:`UserError` naming ``flag`` and the missing package if none."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as err:
+        hint = " (pip install bitsandbytes; it needs a CUDA GPU)" if module.startswith("bitsandbytes") else ""
+        raise UserError(f"{flag} {class_path}: cannot import {err.name or module}{hint}") from err
+    except AttributeError as err:
+        raise UserError(f"{flag} {class_path}: {module} has no {name}") from err
+
+
+def from_spec(spec: Callable | dict, first: Any, flag: str, base: type) -> Any:
+    """``spec(first)``, or for a ``{class_path, init_args}`` dict, its class built on ``first`` and the options."""
+    if not isinstance(spec, dict):
+        return spec(first)
+    cls = import_class(str(spec.get("class_path")), flag)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise UserError(f"{flag} {spec.get('class_path')} is not a {base.__module__}.{base.__qualname__}")
+    init_args: dict[str, Any] = dict(spec.get("init_args") or {})
+    return cls(first, **init_args)
+
+
+def build_optimizer(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> Optimizer:
+    """The optimizer of ``spec`` over ``parameters`` (see :data:`OptimizerSpec`)."""
+    return from_spec(spec, parameters, "--optimizer", Optimizer)
+
+
+def build_scheduler(spec: SchedulerSpec | None, optimizer: Optimizer) -> LRScheduler | None:
+    """The schedule of ``spec`` on ``optimizer`` (None: a constant learning rate).
+
+    The module steps it once per update, without a metric, so a schedule that needs one (``ReduceLROnPlateau``)
+    is refused.
+    """
+    if spec is None:
+        return None
+    scheduler = from_spec(spec, optimizer, "--lr_scheduler", object)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UserError(
+            f"--lr_scheduler {type(scheduler).__name__} needs a monitored metric, but lit_gmc steps the schedule once "
+            "per update without one: use a step-based schedule (e.g. lit_gmc.optim.CosineWithWarmup)"
+        )
+    return scheduler
