@@ -58,6 +58,7 @@ class Live(DelaySchedule):
         join_timeout_s: float = 60.0,
     ) -> None:  # fmt: skip
         check_options("Live", self.option_problems(workers, chunk_prompts, max_staleness, join_timeout_s))
+        super().__init__()
         self.workers = workers
         self.chunk_prompts = chunk_prompts
         self.max_staleness = max_staleness
@@ -100,7 +101,7 @@ class Live(DelaySchedule):
 
     @property
     def running(self) -> bool:
-        """Whether any worker thread is alive."""
+        """Whether any worker thread is alive (published weights are then staged for the workers)."""
         return any(t.is_alive() for t in self._threads)
 
     def next_batch(self, produce: GroupProducer) -> tuple[Batch, dict[str, float]]:
@@ -201,6 +202,7 @@ class Live(DelaySchedule):
             if thread.is_alive():
                 warnings.warn(f"{thread.name} did not stop within {self.join_timeout_s} s", stacklevel=2)
         self._threads = []
+        super().close()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the completed-but-unconsumed groups; taken between generation calls."""

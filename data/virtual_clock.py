@@ -55,9 +55,9 @@ class VirtualClock(DelaySchedule):
     drain, logged once as ``drain_step``), so every launched batch is consumed. The steady-state delay is
     about ``lam * E[L] / (c_gen + c_update)``.
 
-    The producer may return futures (generation in a background thread): a batch is waited for only when
-    it could be visible, i.e. when ``t + lam * MIN_MEAN_LENGTH <= clock``, so the sequence of launches and
-    consumptions is identical with and without overlap.
+    With ``overlap`` on, launches return futures (generation in a background thread): a batch is waited for
+    only when it could be visible, i.e. when ``t + lam * MIN_MEAN_LENGTH <= clock``, so the sequence of launches
+    and consumptions is identical with and without overlap. Launch and ready times go to each update's info.
 
     Args:
         c_gen: Clock cost of launching one batch (> 0; the paper's 85).
@@ -78,6 +78,7 @@ class VirtualClock(DelaySchedule):
         overlap: bool = True,
     ) -> None:  # fmt: skip
         check_options("VirtualClock", self.option_problems(c_gen, lam, c_update, max_launches))
+        super().__init__()
         self.c_gen, self.lam, self.c_update, self.max_launches = float(c_gen), float(lam), float(c_update), max_launches
         self.overlap = overlap
         self.clock = 0.0
@@ -133,7 +134,7 @@ class VirtualClock(DelaySchedule):
         return entry.batch, info
 
     def _launch(self, produce: Producer) -> None:
-        (batch,) = produce(1)
+        (batch,) = self.launch(produce, 1)
         self.hidden.append(_Launch(self.launched, self.clock, batch))
         self.launched += 1
         self.clock += self.c_gen
@@ -147,8 +148,6 @@ class VirtualClock(DelaySchedule):
         if length < MIN_MEAN_LENGTH:
             raise ValueError(f"virtual_clock: launched batch {entry.index} has a mean completion length {length} < 1")
         entry.ready_at = entry.launched_at + self.lam * length
-        for group in entry.batch:
-            group.launched_at, group.ready_at = entry.launched_at, entry.ready_at
 
     def _reveal(self) -> None:
         """Move every batch whose completion time has passed to the visible queue."""

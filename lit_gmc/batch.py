@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass
@@ -34,8 +34,6 @@ class RolloutGroup:
         rewards: ``(G,)`` float rewards, filled in by the task after generation.
         version: Policy version ``s`` (number of optimizer updates) of the weights that sampled it.
         batch_id: Sequential id of the launched batch this group belongs to (-1 when not batched).
-        launched_at: Virtual-clock time at which the batch was launched (None outside VirtualClock).
-        ready_at: Virtual-clock time at which it becomes visible to the learner.
     """
 
     prompt_id: int
@@ -49,8 +47,6 @@ class RolloutGroup:
     rewards: Tensor
     version: int
     batch_id: int = -1
-    launched_at: float | None = None
-    ready_at: float | None = None
 
     @property
     def group_size(self) -> int:
@@ -64,8 +60,7 @@ class RolloutGroup:
 
     def with_rewards(self, rewards: Sequence[float] | Tensor, **changes: Any) -> RolloutGroup:
         """A copy of the group with ``rewards`` set (as a float32 tensor) and any other ``changes`` of fields."""
-        values = rewards.to(torch.float32) if isinstance(rewards, Tensor) else small_tensor(rewards, np.float32)
-        return replace(self, rewards=values, **changes)
+        return replace(self, rewards=torch.as_tensor(rewards, dtype=torch.float32), **changes)
 
 
 @dataclass
@@ -160,33 +155,6 @@ class RolloutBatch:
         )
 
 
-def small_tensor(values: Sequence[float | int], dtype: type[np.generic]) -> Tensor:
-    """A 1-D CPU tensor of a short list of Python numbers, of numpy ``dtype`` (``np.int64``, ``np.float32``, ...).
-
-    Built through numpy: ``torch.tensor`` of a list of ten numbers takes ~2.5x as long, for the same values (both
-    convert each number with the same C cast).
-    """
-    return torch.from_numpy(np.array(values, dtype=dtype))
-
-
-def left_padded(sequences: Sequence[Sequence[int] | Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Token ids (lists or 1-D tensors) left-padded with ``pad_id`` to the longest, and the mask of their tokens.
-
-    Returns ``(B, P)`` int64 ids and a ``(B, P)`` bool mask. They are written into two numpy arrays row by row, then
-    handed to torch without a copy: at prompt sizes each torch call (a row write, ``pad_sequence``, a tensor built
-    from nested lists) costs more than the values it moves.
-    """
-    rows = [s.tolist() if isinstance(s, Tensor) else s for s in sequences]
-    lengths = [len(row) for row in rows]
-    width = max(lengths, default=0)
-    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=bool)
-    for index, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-        ids[index, width - length :] = row
-        mask[index, width - length :] = True
-    return torch.from_numpy(ids), torch.from_numpy(mask)
-
-
 def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, float] | None = None) -> RolloutBatch:
     """Stack groups into one :class:`RolloutBatch` (prompts left-padded, responses right-padded)."""
     if not groups:
@@ -197,7 +165,10 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
     (size,) = sizes
     width_l = max(int(g.response_ids.shape[1]) for g in groups)
     # One row per group, repeated G times: prompts are shared within a group.
-    group_prompts, group_mask = left_padded([g.prompt_ids for g in groups], pad_id)  # (B, P) each
+    unpadded = [g.prompt_ids.long() for g in groups]
+    group_prompts = pad_sequence(unpadded, batch_first=True, padding_value=pad_id, padding_side="left")  # (B, P)
+    real = [torch.ones_like(ids, dtype=torch.bool) for ids in unpadded]
+    group_mask = pad_sequence(real, batch_first=True, padding_value=False, padding_side="left")  # (B, P)
     width_p = group_prompts.shape[1]
     prompts = group_prompts.repeat_interleave(size, 0)  # (N, P)
     prompt_mask = group_mask.repeat_interleave(size, 0)  # (N, P)
@@ -217,10 +188,10 @@ def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, 
         response_mask=response_mask,  # (N, L)
         behavior_logprobs=behavior.masked_fill(~response_mask, 0.0),  # (N, L)
         rewards=torch.cat([g.rewards.float() for g in groups]),  # (N,)
-        versions=small_tensor([g.version for g in groups], np.int64),  # (B,)
+        versions=torch.tensor([g.version for g in groups], dtype=torch.long),  # (B,)
         prompt_width=width_p,
         group_size=size,
-        batch_ids=small_tensor([g.batch_id for g in groups], np.int64),  # (B,)
-        prompt_ids=small_tensor([g.prompt_id for g in groups], np.int64),  # (B,)
+        batch_ids=torch.tensor([g.batch_id for g in groups], dtype=torch.long),  # (B,)
+        prompt_ids=torch.tensor([g.prompt_id for g in groups], dtype=torch.long),  # (B,)
         info=dict(info or {}),
     )

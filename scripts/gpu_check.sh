@@ -38,9 +38,9 @@ if [[ $parts == *" tests "* ]]; then
 fi
 
 if [[ $parts == *" bench "* ]]; then
-  timeout "${BENCH_S:-100}" python scripts/bench_rollout.py --models tiny mid --engines hf vllm --repeats 2 2>&1 \
+  timeout "${BENCH_S:-100}" python scripts/bench/bench_rollout.py --models tiny mid --engines hf vllm --repeats 2 2>&1 \
     | grep -vE " (INFO|DEBUG|WARNING) " | tail -20 | tee "$out/bench.txt"
-  { echo; echo "## Rollout benchmark (scripts/bench_rollout.py)"; echo '```'; cat "$out/bench.txt"; echo '```'; } \
+  { echo; echo "## Rollout benchmark (scripts/bench/bench_rollout.py)"; echo '```'; cat "$out/bench.txt"; echo '```'; } \
     >> "$report"
 fi
 

@@ -41,9 +41,11 @@ from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.data.engines import SamplingParams
 from lit_gmc.data.tasks import Prompt
 from lit_gmc.module import GMCModule
+from lit_gmc.rules import GMC
 
 GIB = 2**30
-PRECISION, DTYPE, LR = "bf16-mixed", "float32", 1e-6  # the Qwen3 configs' trainer.precision, model.dtype, model.lr
+PRECISION, DTYPE, LR = "bf16-mixed", "float32", 1e-6  # the Qwen3 configs' trainer.precision, model.dtype, optimizer lr
+OPTIMIZERS = {"adamw8bit": "bitsandbytes.optim.AdamW8bit", "adamw": "torch.optim.AdamW"}  # --optimizer's class_path
 SAMPLED_LAYERS = (0, -1)  # decoder layers whose weights are compared before and after the first update
 COLUMNS = ("update", "rollout s", "rollout tok/s", "update s", "learner tok/s", "sync s", "peak alloc GiB",
            "peak reserved GiB", "device used GiB", "gap mean", "gap max", "reward")  # fmt: skip
@@ -263,10 +265,14 @@ def run(args: argparse.Namespace) -> None:
         engine = start_engine(args, folder, tokenizer)
         t2 = time.perf_counter()
         try:
-            module = GMCModule(actor=str(folder), correction="gmc", eps=0.28, lr=LR, optimizer=args.optimizer,
-                               dtype=DTYPE, warmup_fraction=0.03, max_grad_norm=1.0, micro_batch_groups=1,
-                               logit_chunk_tokens=args.chunk, gradient_checkpointing=True,
-                               max_response_length=args.completion_tokens)  # fmt: skip
+            adam = {"lr": LR, "betas": (0.9, 0.999), "weight_decay": 0.0}
+            module = GMCModule(
+                actor=str(folder), correction=GMC(cap=0.28), dtype=DTYPE, max_grad_norm=1.0, micro_batch_groups=1,
+                optimizer={"class_path": OPTIMIZERS[args.optimizer], "init_args": adam},
+                lr_scheduler={"class_path": "lit_gmc.optim.CosineWithWarmup",
+                              "init_args": {"warmup_fraction": 0.03, "total_steps": args.steps}},
+                logit_chunk_tokens=args.chunk, gradient_checkpointing=True, max_response_length=args.completion_tokens,
+            )  # fmt: skip
             startup = {"build s": t1 - t0, "engine s": t2 - t1, "learner s": time.perf_counter() - t2}
             write_header(report, args, sum(p.numel() for p in module.actor.parameters()), startup)
             # Recorder first: its on_train_batch_end times the update alone, before WeightSync's runs.

@@ -37,6 +37,7 @@ def test_wheel_installs_into_a_fresh_venv_and_every_public_module_imports(tmp_pa
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = dist.glob("lit_gmc-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    assert len(names) == len(set(names)), "a file packed twice (through the links in lit_gmc/?)"
     for expected in ("lit_gmc/callbacks/weight_sync.py", "lit_gmc/data/engines.py", "lit_gmc/configs/tiny.yaml"):
         assert expected in names, f"{expected} missing from the wheel"
     assert not any(n.startswith(("callbacks/", "data/", "configs/", "tests/")) for n in names), (
@@ -63,3 +64,10 @@ def test_wheel_installs_into_a_fresh_venv_and_every_public_module_imports(tmp_pa
     run = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "lit_gmc.callbacks.weight_sync" in modules and "lit_gmc.data.datamodule" in modules
+
+
+@pytest.mark.parametrize("folder", ["data", "callbacks"])
+def test_lit_gmc_links_the_top_level_folders_for_type_checkers(folder):
+    """``lit_gmc/<folder>`` links to ``<folder>/``: editors and mypy resolve ``lit_gmc.<folder>`` in a clone."""
+    link = REPO / "lit_gmc" / folder
+    assert link.is_symlink() and link.resolve() == (REPO / folder).resolve()

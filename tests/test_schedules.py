@@ -6,11 +6,13 @@ the learner's current version (the number of updates taken so far), as the engin
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules import FixedDelay, Sync
+from lit_gmc.data.schedules import DelaySchedule, FixedDelay, Sync
 
 
 class VersionedProducer:
@@ -114,3 +116,54 @@ def test_the_plan_comes_from_the_run_not_the_checkpoint():
     shorter = FixedDelay(2).plan(4)
     shorter.load_state_dict(first.state_dict())
     assert shorter.exhausted
+
+
+class OverlappedFifo(DelaySchedule):
+    """The smallest schedule that launches in the background: one launch per update, consumed in order."""
+
+    overlap = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.futures = []
+
+    def next_batch(self, produce):
+        self.futures.extend(self.launch(produce, 1))
+        self.step += 1
+        return self.futures.pop(0).result(), {}
+
+
+def test_the_base_protocol_is_a_no_op_without_background_work():
+    schedule = Sync().plan(2)
+    assert not schedule.running
+    with schedule.paused():
+        pass
+    schedule.close()
+    schedule.close()  # idempotent
+    producer = VersionedProducer()
+    assert [schedule.next_batch(producer)[0][0].batch_id for _ in range(2)] == [0, 1]
+
+
+def test_overlapped_launches_run_in_one_thread_in_order_and_close_joins_it():
+    producer = VersionedProducer()
+    schedule = OverlappedFifo().plan(4)
+    ids = []
+    while not schedule.exhausted:
+        ids.append(schedule.next_batch(producer)[0][0].batch_id)
+        with schedule.paused():  # publishing: the launch in progress finishes at the old version
+            producer.version += 1
+    assert ids == [0, 1, 2, 3] and producer.calls == [(v, 1) for v in range(4)]
+    assert any(t.name.startswith("lit_gmc-generate") for t in threading.enumerate())
+    schedule.close()
+    assert not any(t.name.startswith("lit_gmc-generate") for t in threading.enumerate())
+
+
+def test_a_failed_background_launch_raises_where_the_schedule_pauses():
+    def fail(count):
+        raise ValueError("generation exploded")
+
+    schedule = OverlappedFifo().plan(2)
+    schedule.launch(fail, 1)
+    with pytest.raises(ValueError, match="generation exploded"), schedule.paused():
+        pass
+    schedule.close()

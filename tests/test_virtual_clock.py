@@ -1,7 +1,8 @@
 """The length-coupled virtual clock (DESIGN.md §4, the paper's Appendix B.1).
 
 Queue logic is driven by a producer that stamps each batch with the learner's current version and a chosen
-mean completion length; the last test runs the real tiny actor with generation overlap on and off.
+mean completion length, without the overlap thread (:func:`clock`); the overlap tests turn it on, and the last
+test runs the real tiny actor with generation overlap on and off.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -46,6 +46,17 @@ class LengthProducer:
         return out
 
 
+def clock(**options) -> VirtualClock:
+    """A clock without the overlap thread: queue logic alone."""
+    return VirtualClock(overlap=False, **options)
+
+
+def publish(schedule: VirtualClock, producer, version: int) -> None:
+    """The optimizer step, as the DataModule publishes it: launches in progress finish at the old version first."""
+    with schedule.paused():
+        producer.version = version
+
+
 def drive(schedule: VirtualClock, producer) -> list[dict]:
     records_ = []
     step = 0
@@ -53,7 +64,8 @@ def drive(schedule: VirtualClock, producer) -> list[dict]:
         batch, info = schedule.next_batch(producer)
         records_.append({"step": step, "id": batch[0].batch_id, "version": batch[0].version, **info})
         step += 1
-        producer.version = step
+        publish(schedule, producer, step)
+    schedule.close()
     return records_
 
 
@@ -80,7 +92,7 @@ def test_hand_computed_sequence():
     # visible at t=20 and consumed at step 0. Step 1 (t=21): launch #2 (ready 31), t=31: #0 and #2 are both
     # visible, #0 completed first. Step 2 (t=32): #2.
     producer = LengthProducer([3, 1, 1])
-    out = drive(VirtualClock(c_gen=10, lam=10, c_update=1).plan(3), producer)
+    out = drive(clock(c_gen=10, lam=10, c_update=1).plan(3), producer)
     assert [(r["id"], r["version"]) for r in out] == [(1, 0), (0, 0), (2, 1)]
     assert [r["launches"] for r in out] == [2.0, 1.0, 0.0]
     assert [r["clock"] for r in out] == [20.0, 31.0, 32.0]
@@ -96,7 +108,7 @@ def test_matches_the_event_by_event_reference(seed):
     total = rng.randint(1, 60)
     lengths = [rng.randint(1, 40) for _ in range(500)]
     producer = LengthProducer(lengths)
-    out = drive(VirtualClock(c_gen=c_gen, lam=lam, c_update=c_update, max_launches=500).plan(total), producer)
+    out = drive(clock(c_gen=c_gen, lam=lam, c_update=c_update, max_launches=500).plan(total), producer)
     want, launched = reference_clock(lengths, total, c_gen, lam, c_update)
     assert [(r["step"], r["id"], r["version"]) for r in out] == want
     # lossless: every launch consumed exactly once
@@ -109,7 +121,7 @@ def test_steady_state_delay_matches_lam_mean_length_over_costs(mean_length):
     rng = random.Random(0)
     lengths = [rng.randint(mean_length // 3, 5 * mean_length // 3) for _ in range(4000)]  # E[L] = mean_length
     producer = LengthProducer(lengths)
-    out = drive(VirtualClock(c_gen=85, lam=28, c_update=1, max_launches=1000).plan(3000), producer)
+    out = drive(clock(c_gen=85, lam=28, c_update=1, max_launches=1000).plan(3000), producer)
     delays = [r["step"] - r["version"] for r in out[1000:-1000]]  # away from the warm-up and the drain
     predicted = 28 * mean_length / (85 + 1)
     # Updates are discrete: a batch is consumed at the first update after it completes, and its own launch
@@ -120,14 +132,14 @@ def test_steady_state_delay_matches_lam_mean_length_over_costs(mean_length):
 
 def test_warm_up_launches_from_theta_0_until_one_is_visible():
     producer = LengthProducer([20] * 100)  # each batch needs 20 * 28 = 560 = 6.6 launches to complete
-    out = drive(VirtualClock(c_gen=85, lam=28, c_update=1).plan(30), producer)
+    out = drive(clock(c_gen=85, lam=28, c_update=1).plan(30), producer)
     assert out[0]["launches"] == 7.0 and out[0]["version"] == 0  # 7 launches from theta_0 at step 0
     assert all(r["launches"] <= 1 for r in out[1:])  # then at most the one launch that exposes the next
 
 
 def test_drain_stops_launching_when_everything_needed_is_in_flight():
     producer = LengthProducer([20] * 100)
-    out = drive(VirtualClock(c_gen=85, lam=28, c_update=1).plan(5), producer)
+    out = drive(clock(c_gen=85, lam=28, c_update=1).plan(5), producer)
     assert producer.launched == 5  # the warm-up would want 7, but only 5 updates are planned
     assert [r["draining"] for r in out] == [1.0] * 5
     assert [r["in_flight"] for r in out] == [4.0, 3.0, 2.0, 1.0, 0.0]
@@ -136,7 +148,7 @@ def test_drain_stops_launching_when_everything_needed_is_in_flight():
 def test_max_launches_is_a_clear_error():
     producer = LengthProducer([100] * 100)
     with pytest.raises(RuntimeError, match=r"10 launches at step 0 .*--data\.schedule\.max_launches to at least 33"):
-        VirtualClock(c_gen=85, lam=28, c_update=1, max_launches=10).plan(50).next_batch(producer)
+        clock(c_gen=85, lam=28, c_update=1, max_launches=10).plan(50).next_batch(producer)
 
 
 def test_a_long_completion_warm_up_fits_under_the_launch_bound():
@@ -146,10 +158,8 @@ def test_a_long_completion_warm_up_fits_under_the_launch_bound():
     assert bound == 1351  # ceil(28 * 4096 / 85) + 1, the value configs/experiment/simulated_async.yaml sets
     message = r"400 launches .*at least 1350.*ceil\(28 \* --data.max_new_tokens / 85\) \+ 1"
     with pytest.raises(RuntimeError, match=message):
-        VirtualClock(c_gen=c_gen, lam=lam, max_launches=400).plan(2000).next_batch(LengthProducer([budget] * 2000))
-    batch, info = VirtualClock(c_gen=c_gen, lam=lam, max_launches=bound).plan(2000).next_batch(
-        LengthProducer([budget] * 2000)
-    )
+        clock(c_gen=c_gen, lam=lam, max_launches=400).plan(2000).next_batch(LengthProducer([budget] * 2000))
+    batch, info = clock(c_gen=c_gen, lam=lam, max_launches=bound).plan(2000).next_batch(LengthProducer([budget] * 2000))
     assert info["launches"] == 1350  # launched at 0, 85, ...: the first is visible at 28 * 4096 = 114,688
     assert info["clock"] >= lam * budget and batch[0].batch_id == 0
 
@@ -159,67 +169,70 @@ def test_bad_constants_are_named():
         VirtualClock(c_gen=0, max_launches=0)
 
 
-class ThreadedProducer(LengthProducer):
-    """Returns futures completed by a background thread after a random pause (like the overlap thread)."""
+class SlowProducer(LengthProducer):
+    """Takes a random pause per batch, like a generation call; called from the overlap thread."""
 
     def __init__(self, lengths, seed: int) -> None:
         super().__init__(lengths)
         self.rng = random.Random(seed)
+        self.threads: set[str] = set()
 
-    def __call__(self, count: int) -> list[Future]:
-        futures = []
-        for batch in super().__call__(count):
-            future: Future = Future()
-            threading.Timer(self.rng.uniform(0, 0.003), future.set_result, args=(batch,)).start()
-            futures.append(future)
-        return futures
+    def __call__(self, count: int) -> list[list[RolloutGroup]]:
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.rng.uniform(0, 0.003) * count)
+        return super().__call__(count)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_background_generation_gives_the_same_sequence(seed):
     rng = random.Random(seed)
     lengths = [rng.randint(1, 30) for _ in range(300)]
-    plain = drive(VirtualClock(c_gen=40, lam=60, c_update=1).plan(80), LengthProducer(lengths))
-    threaded = drive(VirtualClock(c_gen=40, lam=60, c_update=1).plan(80), ThreadedProducer(lengths, seed))
+    plain = drive(clock(c_gen=40, lam=60, c_update=1).plan(80), LengthProducer(lengths))
+    producer = SlowProducer(lengths, seed)
+    threaded = drive(VirtualClock(c_gen=40, lam=60, c_update=1, overlap=True).plan(80), producer)
     assert plain == threaded
+    assert producer.threads == {"lit_gmc-generate_0"}  # generated in the schedule's one background thread
 
 
 def test_a_fresh_launch_is_not_waited_for_when_it_cannot_be_visible_yet():
     # lam 100 > c_gen 85: a batch launched now cannot complete before the next update, whatever its length.
-    never_done: list[Future] = []
+    release = threading.Event()
+    launched = []
 
     def produce(count):
         assert count == 1
-        if not never_done:  # the warm-up batch is ready at once
-            future = Future()
-            future.set_result(make_batch(0, 0, 1))
-        else:
-            future = Future()  # still generating, for as long as the test likes
-        never_done.append(future)
-        return [future]
+        launched.append(len(launched))
+        if len(launched) > 1:  # the warm-up batch is ready at once; the next one generates until released
+            release.wait(timeout=30)
+        return [make_batch(0, launched[-1], 1)]
 
-    schedule = VirtualClock(c_gen=85, lam=100, c_update=1).plan(10)
+    schedule = VirtualClock(c_gen=85, lam=100, c_update=1, overlap=True).plan(10)
     started = time.monotonic()
     batch, info = schedule.next_batch(produce)  # launches #0 (t=0, ready 100) and #1 (t=85); #0 visible at 170
     assert time.monotonic() - started < 1.0
     assert batch[0].batch_id == 0 and info["launches"] == 2.0
-    assert not never_done[1].done()  # #1 was launched and left generating
+    (still_generating,) = schedule.hidden
+    assert not still_generating.batch.done()  # #1 was launched and left generating
+    release.set()
+    with schedule.paused():  # publishing waits for it
+        assert still_generating.batch.done()
+    schedule.close()
 
 
 def test_state_round_trip_keeps_in_flight_batches_and_the_clock():
     rng = random.Random(1)
     lengths = [rng.randint(1, 30) for _ in range(300)]
-    unbroken = drive(VirtualClock(c_gen=20, lam=30, c_update=1).plan(40), LengthProducer(lengths))
+    unbroken = drive(clock(c_gen=20, lam=30, c_update=1).plan(40), LengthProducer(lengths))
     producer = LengthProducer(lengths)
-    first = VirtualClock(c_gen=20, lam=30, c_update=1).plan(40)
+    first = clock(c_gen=20, lam=30, c_update=1).plan(40)
     head = []
     for step in range(17):
         batch, info = first.next_batch(producer)
         head.append({"step": step, "id": batch[0].batch_id, "version": batch[0].version, **info})
-        producer.version = step + 1
+        publish(first, producer, step + 1)
     state = first.state_dict()
     assert state["entries"], "the test should cut the run with batches in flight"
-    resumed = VirtualClock(c_gen=20, lam=30, c_update=1).plan(40)
+    resumed = clock(c_gen=20, lam=30, c_update=1).plan(40)
     resumed.load_state_dict(state)
     tail = drive(resumed, producer)
     for r in tail:
@@ -229,12 +242,12 @@ def test_state_round_trip_keeps_in_flight_batches_and_the_clock():
 
 def test_state_is_plain_and_loads_with_weights_only(tmp_path):
     producer = LengthProducer([5] * 50)
-    schedule = VirtualClock(c_gen=10, lam=30, c_update=1).plan(20)
+    schedule = clock(c_gen=10, lam=30, c_update=1).plan(20)
     for _ in range(3):
         schedule.next_batch(producer)
     torch.save(schedule.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
-    again = VirtualClock(c_gen=10, lam=30, c_update=1).plan(20)
+    again = clock(c_gen=10, lam=30, c_update=1).plan(20)
     again.load_state_dict(state)
     assert again.clock == schedule.clock and again.in_flight == schedule.in_flight
 

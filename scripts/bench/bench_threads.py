@@ -1,15 +1,15 @@
 """CPU time per update of every thread of a tiny ``fit``: what runs beside the training loop, and what it costs.
 
-Runs ``fit`` in this process on the embedded default with ``--model.correction grpo --data.schedule Sync`` and
-one torch thread (as ``scripts/bench_step.py``), and reads each thread's CPU time from ``/proc/self/task``
-(Linux) at update ``--warmup`` and at the end. Process CPU time, which ``bench_step.py`` compares, counts every
-thread: a progress bar's refresh thread or a tokenizer's worker pool is part of an update's cost even when it runs
-on the other core. ``--fit-args`` adds ``fit`` options, e.g. Lightning's own refresh rate for the bar::
+Runs ``fit`` in this process on the embedded default with ``--data.schedule Sync`` and one torch thread (as
+``configs/tiny.yaml``), and reads each thread's CPU time from ``/proc/self/task`` (Linux) at update ``--warmup`` and
+at the end. Process CPU time counts every thread: a progress bar's refresh thread or a tokenizer's worker pool is
+part of an update's cost even when it runs on the other core. ``--fit-args`` adds ``fit`` options, e.g. the bar's
+refresh rate::
 
-    python scripts/bench_threads.py [--steps 200] [--warmup 10] [--fit-args "..."]
-    python scripts/bench_threads.py --fit-args "--trainer.callbacks+=lit_gmc.cli.UpdateProgressBar \\
-        --trainer.callbacks.refresh_rate=100"
-    script -qc "python scripts/bench_threads.py" /dev/null   # with a terminal, where the bar is drawn
+    python scripts/bench/bench_threads.py [--steps 200] [--warmup 10] [--fit-args "..."]
+    python scripts/bench/bench_threads.py --fit-args \
+        "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar --trainer.callbacks.refresh_rate=100"
+    script -qc "python scripts/bench/bench_threads.py" /dev/null   # with a terminal, where the bar is drawn
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--fit-args", default="", help="more fit options, one shell-quoted string")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        fit = ["fit", "--model.correction", "grpo", "--data.schedule", "Sync", "--torch_num_threads", "1",
+        fit = ["fit", "--data.schedule", "Sync", "--torch_num_threads", "1",
                "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", workdir,
                "--trainer.default_root_dir", workdir, *shlex.split(args.fit_args)]  # fmt: skip
         GMCCLI(args=fit, trainer_defaults={"callbacks": [ThreadClock(args.warmup)]})

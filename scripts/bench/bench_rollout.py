@@ -6,7 +6,7 @@ random weights almost never sample EOS, so every response has the full length). 
 median of ``--repeats`` timed calls after a short warm-up call (2 new tokens). Run in an environment with vLLM installed
 (``pip install -e ".[dev,cpu-vllm]"`` on CPU), e.g.:
 
-    python scripts/bench_rollout.py --models tiny mid --engines hf vllm
+    python scripts/bench/bench_rollout.py --models tiny mid --engines hf vllm
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Lightning's own cost per update: a ``fit`` whose training step does nothing but an optimizer step on 6 numbers.
 
 What is left of an update when the work is taken out: Lightning's loop (fetch, hooks, progress tracking), the
-progress bar lit_gmc uses by default and a ``ModelCheckpoint``, with a ``RolloutBatch`` of the tiny job's shape as
-the batch and a dict of 21 small tensors as the step's output (as ``GMCModule`` returns its statistics), plus
-``--extra-callbacks`` callbacks that do nothing: each one is dispatched on every hook of every update, which is
+progress bar (Lightning's ``TQDMProgressBar``) and a ``ModelCheckpoint``, with a ``RolloutBatch`` of the tiny job's
+shape as the batch and a dict of 21 small tensors as the step's output (as ``GMCModule`` returns its statistics),
+plus ``--extra-callbacks`` callbacks that do nothing: each one is dispatched on every hook of every update, which is
 what a callback costs before it does any work. The counts alternate over ``--repeats`` fits; prints, for each
 count, the median over fits of each fit's median process CPU us per update.
 
-    python scripts/bench_lightning.py [--steps 2000] [--repeats 7] [--extra-callbacks 0 5]
+    python scripts/bench/bench_lightning.py [--steps 2000] [--repeats 7] [--extra-callbacks 0 5]
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_gmc.batch import RolloutBatch, RolloutGroup, collate_groups
-from lit_gmc.cli import UpdateProgressBar
 
 B, G, T = 8, 8, 6  # configs/tiny.yaml
 
@@ -86,7 +85,7 @@ def us_per_update(steps: int, extra_callbacks: int) -> float:
     """Median process CPU microseconds between consecutive training steps, after 100 updates of warm-up."""
     module = Idle(tiny_batch())
     with tempfile.TemporaryDirectory() as folder:
-        callbacks = [ModelCheckpoint(dirpath=folder, every_n_train_steps=steps), UpdateProgressBar()]
+        callbacks = [ModelCheckpoint(dirpath=folder, every_n_train_steps=steps), TQDMProgressBar()]
         trainer = pl.Trainer(
             max_steps=steps, accelerator="cpu", logger=False, enable_model_summary=False, log_every_n_steps=1,
             callbacks=callbacks + [pl.Callback() for _ in range(extra_callbacks)],

@@ -12,9 +12,9 @@ are not parallelised: global rank 0 generates every group with the one engine, a
 scatters them; the other ranks wait meanwhile. With the tiny model on CPU, generation is a large part of a step,
 so the ratio measures that whole loop, not the learner alone.
 
-    python scripts/bench_scaling.py                                   # tiny, CPU: 1 process, then ddp and fsdp2 on 2
-    python scripts/bench_scaling.py --steps 12 --devices 1 2 --strategies ddp
-    python scripts/bench_scaling.py --accelerator gpu --devices 1 2 4 -- --trainer.precision bf16-mixed
+    python scripts/bench/bench_scaling.py                             # tiny, CPU: 1 process, then ddp and fsdp2 on 2
+    python scripts/bench/bench_scaling.py --steps 12 --devices 1 2 --strategies ddp
+    python scripts/bench/bench_scaling.py --accelerator gpu --devices 1 2 4 -- --trainer.precision bf16-mixed
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEP_TAG = "train/reward"  # logged by rank 0 at the end of every update
 LENGTH_TAG = "diag/response_length/mean"
 
