@@ -1,9 +1,12 @@
 """Token log-probs and entropies of response tokens without materialising full-vocabulary logits at once.
 
-The backbone runs on a micro-batch; the LM head and log-softmax run on chunks of response positions,
-each under activation checkpointing, so autograd keeps only the hidden states of a chunk and recomputes
-its ``(rows, chunk, V)`` logits during backward. At Qwen3 scale (V = 151,936) a chunk of 8 x 512
-positions is ~2.5 GB of fp32 logits, whereas the whole batch (64 x 4,096) would be ~160 GB.
+The backbone runs on a micro-batch; the LM head and log-softmax run on chunks of response positions.
+When there are several chunks, each runs under activation checkpointing, so autograd keeps only the hidden
+states of a chunk and recomputes its ``(rows, chunk, V)`` logits during backward. At Qwen3 scale
+(V = 151,936) a chunk of 8 x 512 positions is ~2.5 GB of fp32 logits, whereas the whole batch (64 x 4,096)
+would be ~160 GB. A single chunk is not checkpointed: its logits are alive at the end of the forward and again
+in its backward either way, so checkpointing it lowers no peak and only runs the head a second time (~8% of a
+Qwen3-0.6B update at 4 x 256 tokens, ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -12,16 +15,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lit_gmc.objectives import token_entropy_from_logits
+from lit_gmc.objectives import token_entropy
 
 
 def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """Log-prob of ``targets`` and entropy under ``softmax(head(hidden) / temperature)``; ``(n, c)`` each."""
     logits = head(hidden)  # (n, c, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)  # (n, c)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:  # x / 1.0 is x: skip a pass over (n, c, V)
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)  # (n, c, V)
+    logp = logprobs.gather(-1, targets[..., None]).squeeze(-1)  # (n, c)
     with torch.no_grad():
-        entropy = token_entropy_from_logits(logits)  # (n, c)
+        entropy = token_entropy(logprobs)  # (n, c)
     return logp, entropy
 
 
@@ -65,9 +71,10 @@ def response_logprobs(
     targets = input_ids[:, prompt_width:]  # (n, L)
     head = model.get_output_embeddings()
     logps, entropies = [], []
-    for start in range(0, targets.shape[1], chunk_tokens):
+    starts = range(0, targets.shape[1], chunk_tokens)
+    for start in starts:
         h, y = hidden[:, start : start + chunk_tokens], targets[:, start : start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if len(starts) > 1 and torch.is_grad_enabled() and h.requires_grad:
             # No RNG state to preserve (the head is deterministic), and restoring it would reset the global
             # generator under a rollout thread sampling from it at the same time.
             logp, ent = checkpoint(

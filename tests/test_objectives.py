@@ -266,7 +266,26 @@ def test_ess_and_removed_mass_by_hand():
     torch.testing.assert_close(O.removed_mass(log_rho, coef, 4), torch.tensor([0.0, 1.0], dtype=torch.float64))
 
 
-def test_entropy_from_logits_matches_definition():
+def test_entropy_matches_definition():
     logits = torch.tensor([[0.0, 0.0], [10.0, -10.0]], dtype=torch.float64)
     p = torch.softmax(logits, -1)
-    torch.testing.assert_close(O.token_entropy_from_logits(logits), -(p * p.log()).sum(-1))
+    torch.testing.assert_close(O.token_entropy(torch.log_softmax(logits, -1)), -(p * p.log()).sum(-1))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_entropy_in_float32_against_float64_definition(seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, 1000, generator=gen, dtype=torch.float64) * (1 + 4 * seed)  # from flat to peaked
+    p = torch.softmax(logits, -1)
+    want = -(p * p.log()).sum(-1)  # (3, 5)
+    got = O.token_entropy(torch.log_softmax(logits.float(), -1))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    assert (got >= -1e-6).all() and (got <= math.log(1000) + 1e-4).all()  # 0 <= H <= log V
+
+
+def test_entropy_of_uniform_and_one_hot_rows():
+    uniform = torch.full((1, 64), -math.log(64), dtype=torch.float64)
+    torch.testing.assert_close(O.token_entropy(uniform), torch.tensor([math.log(64)], dtype=torch.float64))
+    peaked = torch.log_softmax(torch.tensor([[0.0, -200.0, -200.0]], dtype=torch.float64), -1)
+    assert float(O.token_entropy(peaked)) < 1e-80

@@ -28,7 +28,7 @@ from lit_gmc.data import vllm_engine
 from lit_gmc.data.engines import HFEngine
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.module import GMCModule
-from lit_gmc.objectives import token_entropy_from_logits
+from lit_gmc.objectives import token_entropy
 
 
 def shipped_qwen3_settings() -> SimpleNamespace:
@@ -175,7 +175,7 @@ def test_logprobs_under_bf16_autocast_are_float32_from_bf16_logits(char_tokenize
     assert logprobs.dtype == entropy.dtype == torch.float32
     expected = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, p:, None])[..., 0]  # (N, T)
     torch.testing.assert_close(logprobs, expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(entropy, token_entropy_from_logits(logits.float()), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, token_entropy(torch.log_softmax(logits.float(), -1)), atol=1e-6, rtol=0)
     want = torch.autograd.grad(expected.masked_select(batch.response_mask).sum(), params)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32
