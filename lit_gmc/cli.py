@@ -29,7 +29,7 @@ from lit_gmc.data.components import component_problems
 from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
-from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec
+from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem
 from lit_gmc.resume import RunSettings, check_resume, run_settings
 
 DATA_COMPONENTS = ("schedule", "engine", "task")
@@ -54,11 +54,7 @@ def collect_problems(config: Namespace) -> list[str]:
     problems += unresolved_problems(config.get("lr_scheduler"), "--lr_scheduler")
     scheduler = config.get("lr_scheduler")
     if isinstance(scheduler, Namespace) and scheduler.get("class_path"):
-        if issubclass(import_class(scheduler.class_path), torch.optim.lr_scheduler.ReduceLROnPlateau):
-            problems.append(
-                f"--lr_scheduler {scheduler.class_path} needs a monitored metric, but lit_gmc steps the schedule once"
-                " per update without one: use a step-based schedule (e.g. lit_gmc.optim.CosineWithWarmup)"
-            )
+        problems += monitored_schedule_problem(import_class(scheduler.class_path), scheduler.class_path)
     return problems
 
 

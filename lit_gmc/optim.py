@@ -93,6 +93,17 @@ def build_optimizer(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -
     return from_spec(spec, parameters, "--optimizer", Optimizer)
 
 
+def monitored_schedule_problem(cls: type, class_path: str) -> list[str]:
+    """The problem of a schedule class that needs a monitored metric (``ReduceLROnPlateau``), or none.
+
+    The module steps the schedule once per update without a metric, so such a schedule cannot be served.
+    """
+    if not issubclass(cls, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return []
+    return [f"--lr_scheduler {class_path} needs a monitored metric, but lit_gmc steps the schedule once per update "
+            "without one: use a step-based schedule (e.g. lit_gmc.optim.CosineWithWarmup)"]  # fmt: skip
+
+
 def build_scheduler(spec: SchedulerSpec | None, optimizer: Optimizer) -> LRScheduler | None:
     """The schedule of ``spec`` on ``optimizer`` (None: a constant learning rate).
 
@@ -102,9 +113,7 @@ def build_scheduler(spec: SchedulerSpec | None, optimizer: Optimizer) -> LRSched
     if spec is None:
         return None
     scheduler = from_spec(spec, optimizer, "--lr_scheduler", object)
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise UserError(
-            f"--lr_scheduler {type(scheduler).__name__} needs a monitored metric, but lit_gmc steps the schedule once "
-            "per update without one: use a step-based schedule (e.g. lit_gmc.optim.CosineWithWarmup)"
-        )
+    problems = monitored_schedule_problem(type(scheduler), type(scheduler).__name__)
+    if problems:
+        raise UserError(problems[0])
     return scheduler
