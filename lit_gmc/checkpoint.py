@@ -1,12 +1,15 @@
 """Checkpoint writing: atomic files (a crash while saving never leaves a truncated ``last.ckpt``), final saves.
 
-``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it. Every logger is flushed
-before a checkpoint is written, so the step records a checkpoint covers are on disk when its file appears.
+``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it, with one process or
+several. Every logger is flushed before a checkpoint is written, so the step records a checkpoint covers are on
+disk when its file appears.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from lit_gmc.distributed import any_rank, open_rank0_channel, rank_and_world, wait_for_rank0
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -70,6 +75,20 @@ class RunCheckpoint(ModelCheckpoint):
     atomic with :class:`AtomicCheckpointIO`), whatever ``save_last`` says, so that ``--ckpt_path last`` resumes
     the run exactly where it stopped. ``python -m lit_gmc`` then exits with status 143.
 
+    Several processes: Lightning 2.6's own SIGTERM handler broadcasts from inside the signal handler, wherever
+    each process happens to be, so processes that receive the signal at different points desynchronise their
+    collectives, and a signal sent to one process reaches the others only through rank 0's launcher. This callback
+    replaces it, once training starts, with one that only notes the signal; after every update all ranks vote
+    (:func:`~lit_gmc.distributed.any_rank`, on the long-timeout rank-0 channel) and, if any rank was signalled,
+    all of them run Lightning's handler there, at the same point: every rank then stops after the same update,
+    writes the checkpoint together (one file from rank 0, or one folder of shards) and exits with 143.
+
+    Waiting for rank 0: Lightning runs checkpoint callbacks after every other callback (in each hook), and rank 0
+    may still be busy in those (an evaluation, publishing weights) when the other ranks reach their next
+    collective, which is on the default group (this callback's own broadcasts, the next update's). So this
+    callback first waits for rank 0 on the rank-0 channel in ``on_train_start``, ``on_train_batch_start``,
+    ``on_train_batch_end`` and ``on_train_end``; the vote is that wait at the end of an update.
+
     Args:
         at_steps: Optimizer steps at which to save, besides every ``every_n_train_steps``; ``null``: none.
         **kwargs: ``ModelCheckpoint``'s own arguments (``dirpath``, ``every_n_train_steps``, ``save_last``, ...).
@@ -78,9 +97,41 @@ class RunCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, at_steps: list[int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.at_steps = frozenset(at_steps or ())
+        self.sigterm_noted = False
+        self._lightning_sigterm_handler: Any = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        open_rank0_channel()  # the DataModule's setup has made it, with its timeout, unless another DataModule is used
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        wait_for_rank0()  # the first publish of the weights (WeightSync), before the first update's collectives
+        # Lightning has installed its handler just before training starts and restores the previous one at teardown.
+        self.sigterm_noted = False
+        installed = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+        if rank_and_world()[1] > 1 and callable(installed):
+            self._lightning_sigterm_handler = installed
+            signal.signal(signal.SIGTERM, self._note_sigterm)
+
+    def _note_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterm_noted = True
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        wait_for_rank0()  # an evaluation before the update: the other ranks' next collective is in training_step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        if any_rank(self.sigterm_noted) and callable(self._lightning_sigterm_handler):
+            # Every rank, here: Lightning's handler (its launcher's kill, its broadcast, trainer.received_sigterm)
+            # then makes every rank raise SIGTERMException at the end of this update.
+            self._lightning_sigterm_handler(signal.SIGTERM, None)
+            self._lightning_sigterm_handler = None
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
         step = trainer.global_step
         if step in self.at_steps and self._last_global_step_saved != step and not trainer.sanity_checking:
@@ -90,6 +141,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        wait_for_rank0()  # a final evaluation
         if self.save_last and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         super().on_train_end(trainer, pl_module)

@@ -2,8 +2,17 @@
 
 Rank 0 owns the rollout engine and the delay schedule; every other rank receives its share of each update's groups
 (:func:`scatter_from_first`) and takes part in the reductions of per-step statistics (:func:`gather_rows`,
-:func:`gather_ragged`, :func:`sum_across`). All of them act on the default process group, which Lightning's DDP
-and the FSDP2 strategy (:class:`lit_gmc.strategies.FSDP2Strategy`, one data-parallel mesh dimension) span.
+:func:`gather_ragged`, :func:`sum_across`), which act on the default process group that Lightning's DDP and the
+FSDP2 strategy (:class:`lit_gmc.strategies.FSDP2Strategy`, one data-parallel mesh dimension) span.
+
+The rank-0 channel: global rank 0 alone generates (a FIFO fill, a ``Sync`` round), evaluates and waits for
+rollout workers, for as long as that takes, while the other ranks can only wait. Waiting inside a collective of
+the default group would trip its timeout (NCCL's 30 minutes, or ``--trainer.strategy.timeout``), which is there to
+catch hung GPUs and should stay short. So every place where the other ranks wait for rank 0 is a collective on a
+second, gloo (CPU) group whose timeout is hours (:func:`open_rank0_channel`, ``--data.rank0_wait_hours``): the
+shares themselves (:func:`scatter_from_first`), and :func:`wait_for_rank0` / :func:`any_rank` at the points where
+rank 0 may still be busy when the others reach their next collective (``lit_gmc.checkpoint.RunCheckpoint``, the
+DataModule's ``setup`` and ``state_dict``, ``WeightSync``).
 
 Written on ``torch.distributed`` directly: Lightning's strategy exposes ``broadcast`` and ``all_gather`` but no
 scatter of Python objects and no gather of tensors whose first dimension differs between ranks.
@@ -11,6 +20,7 @@ scatter of Python objects and no gather of tensors whose first dimension differs
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -20,6 +30,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 T = TypeVar("T")
 
+DEFAULT_RANK0_WAIT = timedelta(hours=12)
+_channel: tuple[Any, Any] | None = None  # (the default group it was made in, the gloo group)
+
 
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world size)`` of the default group; ``(0, 1)`` without an initialised process group."""
@@ -28,8 +41,28 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def open_rank0_channel(timeout: timedelta | None = None) -> Any:
+    """The gloo group, over every rank, on which ranks wait for global rank 0; made once per default group.
+
+    Every rank must call it at the same point (``dist.new_group`` is a collective), e.g. in a ``setup`` hook. The
+    first call fixes the timeout (``timeout`` or :data:`DEFAULT_RANK0_WAIT`); later calls return the same group.
+    ``None`` on one process.
+    """
+    global _channel
+    _, world = rank_and_world()
+    if world == 1:
+        return None
+    if _channel is None or _channel[0] is not dist.group.WORLD:  # none yet, or made in a destroyed default group
+        group = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_RANK0_WAIT)
+        _channel = (dist.group.WORLD, group)
+    return _channel[1]
+
+
 def scatter_from_first(shares: list[T] | None) -> T:
-    """Rank 0 passes one picklable object per rank and gets its own back; every other rank passes ``None``."""
+    """Rank 0 passes one picklable object per rank and gets its own back; every other rank passes ``None``.
+
+    Sent over the rank-0 channel (:func:`open_rank0_channel`): the other ranks wait here while rank 0 generates.
+    """
     rank, world = rank_and_world()
     if world == 1:
         assert shares is not None and len(shares) == 1
@@ -37,8 +70,23 @@ def scatter_from_first(shares: list[T] | None) -> T:
     if rank == 0 and (shares is None or len(shares) != world):
         raise ValueError(f"scatter_from_first needs {world} shares on rank 0, got {shares!r:.80}")
     received: list[Any] = [None]
-    dist.scatter_object_list(received, shares if rank == 0 else None, src=0)
+    dist.scatter_object_list(received, shares if rank == 0 else None, src=0, group=open_rank0_channel())
     return received[0]
+
+
+def wait_for_rank0() -> None:
+    """Return on every rank once every rank (rank 0 last, when it is the busy one) has called it; over the channel."""
+    if rank_and_world()[1] > 1:
+        dist.barrier(group=open_rank0_channel())
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank; every rank calls it, so it also waits for rank 0 like a barrier."""
+    if rank_and_world()[1] == 1:
+        return flag
+    vote = torch.tensor([int(flag)])  # on the CPU: the channel is gloo
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=open_rank0_channel())
+    return bool(vote.item())
 
 
 def gather_rows(local: Tensor) -> Tensor:
@@ -51,6 +99,26 @@ def gather_rows(local: Tensor) -> Tensor:
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous())
     return torch.cat(parts)
+
+
+def gather_groups(rows: dict[str, Tensor], positions: Tensor | None, group_size: int) -> dict[str, Tensor]:
+    """:func:`gather_rows` of each ``(n,)`` per-row tensor of a share, in the whole update's group order.
+
+    Args:
+        rows: Per-row values of this rank's share (group-major, ``n = B_r G`` rows on every rank).
+        positions: ``(B_r,)`` the share's groups' indices in the update (``RolloutBatch.update_positions``);
+            ``None``: the shares are contiguous blocks in rank order, so rank order is already the update's.
+        group_size: ``G``.
+
+    Returns:
+        ``(N,)`` tensors whose row ``b G + i`` is response ``i`` of the update's group ``b``, as on one process.
+    """
+    gathered = {key: gather_rows(value) for key, value in rows.items()}
+    if positions is None or rank_and_world()[1] == 1:
+        return gathered
+    source = gather_rows(positions).argsort()  # (B,) gathered group that holds update group b
+    index = (source[:, None] * group_size + torch.arange(group_size, device=source.device)).flatten()  # (N,)
+    return {key: value[index] for key, value in gathered.items()}
 
 
 def gather_ragged(local: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from lit_gmc import objectives as O
 from lit_gmc.actor import load_actor
 from lit_gmc.batch import RolloutBatch
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
-from lit_gmc.distributed import gather_ragged, gather_rows, local_part, rank_and_world, sum_across
+from lit_gmc.distributed import gather_groups, gather_ragged, gather_rows, local_part, rank_and_world, sum_across
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, build_optimizer, build_scheduler
 from lit_gmc.resume import plain
@@ -321,7 +321,8 @@ class GMCModule(pl.LightningModule):
             "response_lengths": batch.response_mask.sum(-1),
             "delays": delays,
         }  # (n,) each
-        stats = {key: gather_rows(value.detach()) for key, value in rows.items()}  # (N,) each
+        rows = {key: value.detach() for key, value in rows.items()}
+        stats = gather_groups(rows, batch.update_positions, batch.group_size)  # (N,) each, in the update's order
         log_rho, coefficients, g = stats["log_rho"], stats["coefficients"], batch.group_size
         stats.update(
             {

@@ -7,12 +7,17 @@ and is read back as per-step records: what was consumed (batch id, launch versio
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import lightning.pytorch as pl
+import torch
 
 from lit_gmc.cli import GMCCLI
 from lit_gmc.data.datamodule import RolloutDataModule
@@ -118,3 +123,93 @@ def assert_same_records(got: dict[int, dict[str, float]], want: dict[int, dict[s
         for tag, value in want[step].items():
             limit = 0.0 if tag in ("schedule/batch_id", "schedule/launch_version") else tol
             assert abs(got[step][tag] - value) <= limit, f"step {step} {tag}: {got[step][tag]} != {value}"
+
+
+class Ranks:
+    """``world`` processes of ``lit_gmc fit``, started as torchrun starts them: each its own process, rank from the
+    environment, all clients of a rendezvous store this process hosts (so no rank waits for another to host it).
+
+    stderr of rank ``r`` goes to ``logs / f"rank{r}.err"`` (appended).
+    """
+
+    def __init__(self, config: Path, *args: str, logs: Path, world: int = 2, env: dict[str, str] | None = None):
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # kept alive with the ranks
+        self.logs, self.processes = logs, []
+        for rank in range(world):
+            rank_env = {**(env or os.environ), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                        "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                        "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+            with open(logs / f"rank{rank}.err", "a") as err:
+                command = fit_command(config, "--trainer.devices", str(world), *args)
+                self.processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=rank_env))
+
+    def wait(self, timeout: float) -> list[int]:
+        """Every rank's exit status."""
+        return [process.wait(timeout=timeout) for process in self.processes]
+
+    def stderr(self, rank: int = 0) -> str:
+        return (self.logs / f"rank{rank}.err").read_text()
+
+
+class KillAt(pl.Callback):
+    """SIGKILL this process at the start of update ``step``, as when its node dies: no exception handler, teardown
+    or checkpoint runs. At the start of an update rather than at a random moment, so the kill never lands inside a
+    weight transfer or a checkpoint write, which would test those rather than the resume."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ServedWeights(pl.Callback):
+    """After each weight sync (list it after ``WeightSync``), global rank 0 appends one JSON line to ``out``: the
+    step, each server's weight version and vLLM checksums (``/weight_checker``, by parameter name), and the sha256 of
+    each of the learner's policy parameters (``actor.`` stripped, as ``WeightSync`` sends them)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        self.record(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.record(trainer, pl_module)
+
+    def record(self, trainer, pl_module) -> None:
+        import requests
+
+        if trainer.global_rank != 0:
+            return
+        servers = []
+        for url in trainer.datamodule.rollout_engine.urls:
+            version = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
+            servers.append({"version": version, "checksums": server_checksums(url)})
+        learner = {name.removeprefix("actor."): sha256(p) for name, p in pl_module.named_parameters()
+                   if name.startswith("actor.")}  # fmt: skip
+        with open(self.out, "a") as handle:
+            handle.write(json.dumps({"step": trainer.global_step, "servers": servers, "learner": learner}) + "\n")
+
+
+def server_checksums(url: str) -> dict[str, str]:
+    """vLLM's per-parameter sha256 of one server's weights (``/weight_checker``), by vLLM parameter name."""
+    import requests
+
+    answer = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60).json()["checksums"]
+    return {key.split(":")[-1]: digest for key, digest in answer.items()}  # drop the dp/pp/tp prefix
+
+
+def sha256(tensor: torch.Tensor) -> str:
+    """The sha256 of a CPU tensor's bytes (what vLLM's ``/weight_checker`` computes for a parameter)."""
+    return hashlib.sha256(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def digit_fraction(completions: list[str], answer: str) -> list[float]:
+    """``--data.reward run_helpers.digit_fraction``: the fraction of digits in each completion. The tiny random actor
+    never answers an addition right, so the task's own reward is 0 everywhere and no update changes a weight; this
+    one differs within a group whatever the model, so every update trains."""
+    return [sum(char.isdigit() for char in text) / max(len(text), 1) for text in completions]

@@ -1,4 +1,4 @@
-"""The paper's GPU layouts of the vLLM engine (DESIGN.md §5): colocated with sleep/wake, and dedicated GPUs.
+"""The paper's GPU layouts of vLLM (DESIGN.md §5): in-process with sleep/wake, and a server on GPUs of its own.
 
 Every test needs CUDA and GPU vLLM (``pip install -e ".[vllm]"``) and is skipped, with the reason, elsewhere.
 These were written without a GPU at hand: the bf16 tolerances below are first guesses from the CPU
@@ -93,13 +93,14 @@ def test_colocated_sleeps_between_rollouts_and_syncs_in_bf16(saved_actor, char_t
         engine.close()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the dedicated layout needs a second GPU")
-def test_dedicated_gpu_layout_syncs_from_another_device(saved_actor, char_tokenizer):
-    from lit_gmc.data.vllm_engine import VLLMEngine
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a vLLM server on its own GPU needs a second GPU")
+def test_server_on_another_gpu_syncs_through_nccl(saved_actor, char_tokenizer):
+    """``VLLMServers`` with a ``vllm serve`` process on GPU 1: weights from cuda:0 through vLLM's NCCL backend."""
+    from lit_gmc.data.vllm_serve import VLLMServers
 
-    engine = VLLMEngine(layout="dedicated", devices="1", dtype="bfloat16", gpu_memory_utilization=0.5)
+    engine = VLLMServers(launch=1, devices=["1"], dtype="bfloat16", gpu_memory_utilization=0.5)
     try:
-        engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
+        engine.start(str(saved_actor[0]))
         new = perturbed(saved_actor[1], seed=2)  # the learner's weights live on cuda:0
         engine.load_weights(new.named_parameters(), 1)
         mean, worst = gaps(engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=2)), new,

