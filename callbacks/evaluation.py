@@ -97,6 +97,7 @@ class Suite:
     n: int
     ks: tuple[int, ...]
     scorer: Scorer | None = None
+    skipped: int = 0  # rows left out for an empty reference answer (they could only score 0), reported as such
 
 
 def file_suite(
@@ -122,7 +123,12 @@ def file_suite(
     Raises:
         UserError: Naming the benchmark, for a bad template or scorer, or a missing or malformed file.
     """
-    from lit_gmc.data.benchmarks import CompletionScorer, load_file_items, prompt_builder, resolve_callable
+    from lit_gmc.data.benchmarks import (
+        CompletionScorer,
+        load_file_items_and_skipped,
+        prompt_builder,
+        resolve_callable,
+    )
     from lit_gmc.data.math_data import truncate_prompt
     from lit_gmc.data.tasks import Prompt
     from lit_gmc.errors import UserError
@@ -134,7 +140,8 @@ def file_suite(
             if spec.scorer is None
             else CompletionScorer(resolve_callable(spec.scorer, "scorer"), repr(spec.scorer))
         )
-        items = load_file_items(spec.path, question=spec.question, answer=spec.answer)[:max_problems]
+        items, skipped = load_file_items_and_skipped(spec.path, question=spec.question, answer=spec.answer)
+        items = items[:max_problems]
         texts = [build(item.problem) for item in items]
         if max_prompt_tokens is not None:
             texts = [truncate_prompt(text, tokenizer, max_prompt_tokens) for text in texts]
@@ -142,7 +149,7 @@ def file_suite(
         raise UserError(f"benchmark {spec.name!r}: {err}") from err
     prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
     n = samples or spec.samples
-    return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer)
+    return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer, len(skipped))
 
 
 def correctness(
@@ -195,7 +202,7 @@ def evaluate_suites(
         macro_avg.update(suite.name, many.mean(dim=1))
         count = SumMetric()
         count.update(float(len(suite.prompts)))
-        entry = {"title": suite.title, "problems": int(count.compute()), "n": suite.n}
+        entry = {"title": suite.title, "problems": int(count.compute()), "skipped": suite.skipped, "n": suite.n}
         entry.update({"greedy": float(accuracy.compute()), "avg@n": float(avg.compute())})
         entry.update({k: float(v) for k, v in pass_k.compute().items()})
         results["benchmarks"][suite.name] = entry
@@ -223,7 +230,7 @@ class Evaluation(pl.Callback):
             fields: ``{name: sums, path: sums.jsonl, template: "{question}=", scorer: my_project.exact}``).
         every_n_steps: Period in optimizer steps (``null``: only ``at_steps``).
         at_steps: Extra steps to evaluate at (the paper: 200, 300, 400, 800); 0 evaluates before training.
-        data_dir: Folder of local benchmark copies under their usual names (``../shared/data``); ``null`` reads
+        data_dir: Folder of local benchmark copies under their usual names (``math500_test.jsonl``, ...); ``null`` reads
             each benchmark from its hub dataset (``lit_gmc.data.benchmarks.BENCHMARKS``).
         sources: Per-benchmark override of both: a local JSONL file, a dataset folder laid out like the hub
             repository, or another hub name.
@@ -372,7 +379,8 @@ class Evaluation(pl.Callback):
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
                                self.max_prompt_tokens)  # fmt: skip
         n = self.samples or bench.samples
-        return Suite(name, bench.title, prompts, n, tuple(k for k in self.ks if k <= n), self.math_scorer())
+        ks = tuple(k for k in self.ks if k <= n)
+        return Suite(name, bench.title, prompts, n, ks, self.math_scorer(), len(bench.skipped))
 
     def file_suite(self, spec: BenchmarkFile) -> Suite:
         """A user's benchmark file, with its own template and scorer."""

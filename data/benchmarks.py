@@ -101,15 +101,25 @@ def load_items(source: DataSource) -> list[BenchmarkItem]:
     Raises:
         UserError: For a malformed row, naming its file and line (or its row on the hub) and the column.
     """
+    return load_items_and_skipped(source)[0]
+
+
+def load_items_and_skipped(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
+    """:func:`load_items`, and the locations of the rows left out because their reference answer is empty.
+
+    Such a row could only ever score 0 (two rows of Gaokao2023-En on the hub are like this), so it is left out of
+    the benchmark and counted (``skipped`` in the results), never scored.
+    """
     name = reference_field(source)
     kinds, read = REFERENCE_FIELDS[name]
-    items = []
+    items, skipped = [], []
     for index, row in enumerate(load_records(source, {"problem": str, name: kinds})):
         try:
-            items.append(BenchmarkItem(row["problem"], read(row[name])))
+            item = BenchmarkItem(row["problem"], read(row[name]))
         except ValueError as err:
             raise UserError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
-    return items
+        (items.append(item) if item.answer.strip() else skipped.append(row_location(source, index)))
+    return items, skipped
 
 
 def load_file_items(path: str, question: str = "question", answer: str = "answer") -> list[BenchmarkItem]:
@@ -128,16 +138,24 @@ def load_file_items(path: str, question: str = "question", answer: str = "answer
         UserError: For a malformed row, naming its file and line and the column.
         UserFileNotFoundError: For a file that does not exist.
     """
+    return load_file_items_and_skipped(path, question, answer)[0]
+
+
+def load_file_items_and_skipped(
+    path: str, question: str = "question", answer: str = "answer"
+) -> tuple[list[BenchmarkItem], list[str]]:
+    """:func:`load_file_items`, and the locations (file and line) of the rows left out for an empty answer."""
     source = DataSource(path, {"problem": question, "answer": answer})
     rows = load_records(source, {"problem": str, "answer": (str, int, float)})
-    items = []
+    items, skipped = [], []
     for index, row in enumerate(rows):
         value = row["answer"]
         try:
-            items.append(BenchmarkItem(row["problem"], value if isinstance(value, str) else reference_text(value)))
+            item = BenchmarkItem(row["problem"], value if isinstance(value, str) else reference_text(value))
         except ValueError as err:
             raise UserError(f"{row_location(source, index)}: column {answer!r}: {err}") from err
-    return items
+        (items.append(item) if item.answer.strip() else skipped.append(row_location(source, index)))
+    return items, skipped
 
 
 class CompletionScorer:
@@ -290,6 +308,7 @@ class Benchmark:
     title: str
     samples: int
     items: list[BenchmarkItem]
+    skipped: tuple[str, ...] = ()  # where the rows left out for an empty reference answer are (file:line, or row)
 
 
 def load_benchmark(
@@ -321,7 +340,7 @@ def load_benchmark(
         source = str(Path(data_dir) / spec.filename)
     chosen = resolve_source(source, spec.hub, spec.file_columns, split=split, config=config)
     try:
-        items = load_items(chosen)
+        items, skipped = load_items_and_skipped(chosen)
     except ConnectionError as err:  # its message says the hub was out of reach (before UserError: it may be one)
         reason = err.__cause__ if isinstance(err, UserError) and err.__cause__ else err  # without the training hint
         raise BenchmarkUnreachable(f"benchmark {name!r}: {reason} (its local copy is {spec.filename})") from err
@@ -329,4 +348,4 @@ def load_benchmark(
         raise  # already names the file and line
     except FileNotFoundError as err:  # datasets': a folder without data files, a hub name that does not exist
         raise UserFileNotFoundError(f"benchmark {name!r}: {chosen.path}: {err}") from err
-    return Benchmark(name, spec.title, spec.samples, items)
+    return Benchmark(name, spec.title, spec.samples, items, tuple(skipped))

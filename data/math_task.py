@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from lit_gmc.data.components import check_options
-from lit_gmc.data.math_data import MathScorer, load_math_train, load_tokenizer, make_prompts
-from lit_gmc.data.tasks import Prompt, Task
+from lit_gmc.data.math_data import (
+    DEFAULT_TRAIN_PATH,
+    MathScorer,
+    is_local,
+    load_math_train,
+    load_tokenizer,
+    make_prompts,
+)
+from lit_gmc.data.tasks import Prompt, Task, in_chat_template
 
 
 class Math(Task):
@@ -18,7 +26,7 @@ class Math(Task):
 
     Args:
         path: MATH training data: ``null`` for the default hub source, or a local JSON/JSONL file or dataset
-            folder with ``problem`` and ``solution`` (e.g. ``../shared/data/math_train.jsonl``).
+            folder with ``problem`` and ``solution`` (e.g. ``data/math_train.jsonl``).
         test_path: Held-out prompts: ``null`` for MATH-500 from its default hub source, or a local file or
             folder; loaded on first use (evaluation), never for training.
         max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning.
@@ -31,6 +39,8 @@ class Math(Task):
         verify_timeout_s: Wall-clock bound on checking one response; a slower check scores 0.
         cut_at_next_problem: Score only the text before an invented next ``Problem:`` line, a deviation from
             the paper (which scores the last box of the whole completion); off by default.
+        chat_template: Wrap each prompt (after the budget cut) in the engine tokenizer's chat template, as a user
+            turn and the assistant's opening, for an instruction-tuned actor; off: the paper's plain two-shot text.
     """
 
     def __init__(
@@ -44,9 +54,12 @@ class Math(Task):
         verifier_workers: int = 2,
         verify_timeout_s: float = 10.0,
         cut_at_next_problem: bool = False,
+        chat_template: bool = False,
     ) -> None:
         check_options("Math", self.option_problems(max_prompt_tokens, verifier_workers, verify_timeout_s))
         self.max_prompt_tokens = max_prompt_tokens
+        self.chat_template = chat_template
+        self.engine_tokenizer: Any = None  # the chat template's, given by setup
         self.test_path = test_path
         self.data = load_math_train(path, split=split, config=config)  # loaded now: a bad file fails at start-up
         self._triples = [(p.id, p.problem, p.answer) for p in self.data.problems]
@@ -67,15 +80,35 @@ class Math(Task):
             problems.append(f"verify_timeout_s={verify_timeout_s} must be > 0")
         return problems
 
+    @staticmethod
+    def preflight_problems(path: str | None = None, tokenizer: str | None = None, **_: Any) -> list[str]:
+        """Why the training data or the ``tokenizer`` option cannot be read here, checked before anything loads.
+
+        A missing file, or the hub out of reach; ``test_path`` is the evaluation's, checked when it is read.
+        """
+        from lit_gmc.preflight import source_problem
+
+        source = path or DEFAULT_TRAIN_PATH
+        problems = [source_problem(source, "dataset", "--data.task.path", is_local(source))]
+        if tokenizer is not None and tokenizer != "tiny":
+            problems.append(source_problem(tokenizer, "model", "--data.task.tokenizer", is_local(tokenizer)))
+        return [problem for problem in problems if problem]
+
     def setup(self, tokenizer: Any) -> None:
         """Count prompt tokens with the engine's ``tokenizer`` unless the ``tokenizer`` option names another."""
         if self.tokenizer is None:
             self.tokenizer = tokenizer
+        self.engine_tokenizer = tokenizer
 
     def _prompts(self, triples: Sequence[tuple[int, str, str]]) -> list[Prompt]:
         if self.max_prompt_tokens is not None and self.tokenizer is None:
             raise RuntimeError("Math: max_prompt_tokens needs a tokenizer: give the option, or call setup(tokenizer)")
-        return make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
+        prompts = make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
+        if not self.chat_template:
+            return prompts
+        if self.engine_tokenizer is None:
+            raise RuntimeError("Math: chat_template needs the engine's tokenizer: call setup(tokenizer) first")
+        return [replace(p, text=in_chat_template(p.text, self.engine_tokenizer)) for p in prompts]
 
     def train_prompts(self) -> Sequence[Prompt]:
         """Two-shot prompts of the kept training rows, in file order."""

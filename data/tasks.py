@@ -6,12 +6,17 @@ walks the training prompts in a seeded order, epoch after epoch, and can be chec
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from lit_gmc.data.components import check_options
+from lit_gmc.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,13 @@ class Addition(Task):
 
     Args:
         max_operand: Largest operand.
+        chat_template: Wrap each prompt in the actor tokenizer's chat template, as a user turn followed by the
+            assistant's opening (for an instruction-tuned ``--model.actor``; the tiny actor has none).
     """
 
-    def __init__(self, max_operand: int = 69) -> None:
+    def __init__(self, max_operand: int = 69, chat_template: bool = False) -> None:
         check_options("Addition", self.option_problems(max_operand))
+        self.chat_template = chat_template
         pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
         rows = [Prompt(i, f"{a}+{b}=", str(a + b)) for i, (a, b) in enumerate(pairs)]
         held_out = {i for i, (a, b) in enumerate(pairs) if (7 * a + 3 * b) % 10 == 0}
@@ -64,6 +72,12 @@ class Addition(Task):
     def option_problems(max_operand: int) -> list[str]:
         """Every problem with the options, named by their init args."""
         return [f"max_operand={max_operand} must be >= 1"] if max_operand < 1 else []
+
+    def setup(self, tokenizer: Any) -> None:
+        """With ``chat_template``, wrap every prompt in ``tokenizer``'s chat template (:func:`in_chat_template`)."""
+        if self.chat_template:
+            self._train = [replace(p, text=in_chat_template(p.text, tokenizer)) for p in self._train]
+            self._test = [replace(p, text=in_chat_template(p.text, tokenizer)) for p in self._test]
 
     def train_prompts(self) -> Sequence[Prompt]:
         """The training prompts (sums not held out)."""
@@ -76,6 +90,23 @@ class Addition(Task):
     def score(self, completions: Sequence[str], answer: str) -> list[float]:
         """Reward 1.0 for each completion equal to ``answer`` after stripping whitespace, else 0.0."""
         return [float(c.strip() == answer) for c in completions]
+
+
+def in_chat_template(text: str, tokenizer: Any, option: str = "--data.task.chat_template") -> str:
+    """``text`` as a user turn in ``tokenizer``'s chat template, followed by the assistant's opening.
+
+    The template's own special tokens are part of the text, so the engine must not add them again (neither engine
+    does: prompts are tokenized without special tokens).
+    """
+    try:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    except (ValueError, AttributeError) as err:  # transformers: "Cannot use chat template functions ... not set"
+        raise UserError(
+            f"{option}: the actor's tokenizer has no chat template ({type(tokenizer).__name__}); leave {option} "
+            "false for a base model, or choose an instruction-tuned --model.actor"
+        ) from err
 
 
 class PromptStream:
@@ -120,3 +151,109 @@ class PromptStream:
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
 
+
+def function_name(function: Callable) -> str:
+    """``module.qualname`` of a function or bound method (``Addition.score``), for messages."""
+    owner = getattr(function, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__name__}.{getattr(function, '__name__', 'score')}"
+    module = getattr(function, "__module__", None)
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"{module}.{name}" if module and module != "__main__" else name
+
+
+def calling_convention(function: Callable, name: str) -> str:
+    """``"native"`` for ``(completions, answer)``, ``"trl"`` for TRL's ``(prompts, completions, **kwargs)``.
+
+    A function that has a ``prompts`` parameter, or that cannot take two positional arguments but takes keywords,
+    is called as TRL calls its reward functions: by keyword, ``prompts`` and ``completions`` lists and one list per
+    extra column, here ``answer`` (the prompt's reference answer, repeated for each completion).
+    """
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: called as documented
+        return "native"
+    params = signature.parameters
+    with contextlib.suppress(TypeError):
+        if "prompts" in params:
+            signature.bind(prompts=[], completions=[], answer=[])
+            return "trl"
+        signature.bind([], "")
+        return "native"
+    with contextlib.suppress(TypeError):
+        signature.bind(prompts=[], completions=[], answer=[])
+        return "trl"
+    raise UserError(
+        f"reward {name}{signature} takes neither (completions, answer) nor TRL's (prompts, completions, **kwargs)"
+    )
+
+
+class Reward:
+    """The run's reward function, called one way whatever its form, its result checked before it is used.
+
+    ``Reward(function, name)(completions, answer, prompt)`` returns one float per completion. ``function`` is the
+    task's ``score`` or ``--data.reward``, of either form of :func:`calling_convention`. A result that is not one
+    number per completion (None, a number, a list of the wrong length, an entry that is no number) raises one
+    :class:`UserError` naming the function. Rewards outside ``[0, 1]`` (where ``Task.score`` documents them) are
+    used as they are, with one warning that shows the values.
+
+    Args:
+        function: The reward function.
+        name: How messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``).
+    """
+
+    def __init__(self, function: Callable, name: str) -> None:
+        if not callable(function):
+            raise UserError(f"reward {name} is not callable (got {type(function).__name__})")
+        self.function = function
+        self.name = name
+        self.__qualname__ = name  # how the DataModule's checks name the scorer
+        self.convention = calling_convention(function, name)
+        self.warned_scale = False
+
+    @classmethod
+    def of(cls, reward: Callable | None, task: Task) -> Reward:
+        """``--data.reward`` when given, else the task's own ``score``."""
+        if reward is not None:
+            return cls(reward, f"--data.reward {function_name(reward)}")
+        return cls(task.score, f"{type(task).__name__}.score (the task's reward)")
+
+    def __call__(self, completions: Sequence[str], answer: str, prompt: str = "") -> list[float]:
+        """One float reward per completion of one prompt."""
+        completions = list(completions)
+        if self.convention == "trl":
+            count = len(completions)
+            result = self.function(prompts=[prompt] * count, completions=completions, answer=[answer] * count)
+        else:
+            result = self.function(completions, answer)
+        return self.checked(result, len(completions))
+
+    def checked(self, result: Any, count: int) -> list[float]:
+        """``result`` as ``count`` floats, or one :class:`UserError` naming the function and what it returned."""
+        expected = f"it must return a list of {count} numbers, one reward per completion"
+        if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+            raise UserError(f"reward {self.name} returned {short(result)} for {count} completions; {expected}")
+        values = list(result)
+        if len(values) != count:
+            raise UserError(f"reward {self.name} returned {len(values)} values for {count} completions; {expected}")
+        rewards = []
+        for value in values:
+            try:
+                rewards.append(float(value))  # bool, numpy and 0-dim torch numbers too
+            except (TypeError, ValueError):
+                raise UserError(f"reward {self.name} returned {short(value)} among its rewards; {expected}") from None
+        outside = [value for value in rewards if math.isfinite(value) and not 0.0 <= value <= 1.0]
+        if outside and not self.warned_scale:
+            self.warned_scale = True
+            warnings.warn(
+                f"reward {self.name} returned {outside[:4]} outside [0, 1], the range Task.score documents; they "
+                "are used as they are (this warning is shown once)",
+                stacklevel=2,
+            )
+        return rewards
+
+
+def short(value: Any) -> str:
+    """``repr`` of a value, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

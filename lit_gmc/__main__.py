@@ -1,4 +1,4 @@
-"""``python -m lit_gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``export``: checkpoint to HF folder.
+"""``lit_gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit_gmc export``: checkpoint to HF folder.
 
 A user's mistake (:class:`~lit_gmc.errors.UserError`: an option, a config, data file or checkpoint) prints one
 line and exits with status 2; a run stopped by SIGTERM, once it has saved ``last.ckpt``, exits with 143
@@ -45,12 +45,18 @@ def main() -> None:
 def user_error_in(err: BaseException) -> UserError | None:
     """``err`` if it is a :class:`UserError`, else the first one it was raised from, else None (a bug).
 
-    jsonargparse wraps the error of a component's constructor (a callback's bad option) in its own.
+    jsonargparse wraps the error of a component's constructor (a callback's bad option) in its own. Lightning's
+    ``MisconfigurationException`` (an accelerator this machine lacks, a strategy that needs another) is a user's
+    error too.
     """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, UserError):
             return err
+        if isinstance(err, MisconfigurationException):  # Lightning's word for a trainer option that cannot work here
+            return UserError(" ".join(str(err).split()))
         seen.add(id(err))
         err = err.__cause__
     return None

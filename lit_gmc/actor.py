@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,47 @@ class TinyRecipe:
     def key(self) -> str:
         """First 12 hex digits of the SHA-256 of :func:`tiny_actor_fingerprint` (recipe, code, versions)."""
         return hashlib.sha256(json.dumps(tiny_actor_fingerprint(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def tiny_alphabet_problem(prompts: Sequence[tuple[int, str]]) -> str | None:
+    """Why the tiny actor's character tokenizer cannot encode these ``(id, text)`` prompts, or None.
+
+    Its vocabulary is :data:`TINY_ALPHABET`: any other character would silently become ``<unk>``.
+    """
+    known = set(TINY_ALPHABET)
+    unknown = sorted({char for _, text in prompts for char in text} - known)
+    if not unknown:
+        return None
+    prompt_id, text = next((i, text) for i, text in prompts if set(text) - known)
+    return (
+        f"--model.actor tiny: its character tokenizer encodes only {TINY_ALPHABET!r}, and the task's prompts also hold "
+        f"{''.join(unknown)!r} (first in prompt {prompt_id}: {text[:60]!r}), which it would read as <unk>; choose a "
+        "model with a real tokenizer (--model.actor, a hub name or a local folder) or prompts in that alphabet"
+    )
+
+
+def context_problem(actor: str, prompts: Sequence[tuple[int, str]], max_new_tokens: int) -> str | None:
+    """Why the longest of these ``(id, text)`` prompts plus ``max_new_tokens`` exceeds ``actor``'s context, or None.
+
+    Counted with the actor's own tokenizer (without special tokens, as the engines encode prompts), against its
+    config's ``max_position_embeddings``; an actor whose config states no context length is not checked.
+    """
+    from transformers import AutoConfig
+
+    path = resolve_actor_path(actor, "--model.actor")
+    context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    if not prompts or not isinstance(context, int):
+        return None
+    tokenizer = tokenizer_at(path, actor)
+    lengths = [len(ids) for ids in tokenizer([text for _, text in prompts], add_special_tokens=False)["input_ids"]]
+    longest = max(range(len(prompts)), key=lengths.__getitem__)
+    if lengths[longest] + max_new_tokens <= context:
+        return None
+    return (
+        f"prompt {prompts[longest][0]} of the task is {lengths[longest]} tokens, and with --data.max_new_tokens "
+        f"{max_new_tokens} that is more than the {context} tokens --model.actor {actor} can attend to; shorten the "
+        "task's prompts (a budget option of the task, as Math's max_prompt_tokens) or lower --data.max_new_tokens"
+    )
 
 
 def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFast:

@@ -2,43 +2,49 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
-import re
 import sys
+import warnings
 from argparse import ArgumentError
 from importlib.resources import files
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
+from transformers.utils import logging as transformers_logging
 from typing_extensions import override
 
-import lit_gmc.rules
+from lit_gmc import preflight
+from lit_gmc.actor import context_problem, tiny_alphabet_problem
+from lit_gmc.callbacks.progress import ProgressLines
 from lit_gmc.checkpoint import RunCheckpoint
-from lit_gmc.data import live, math_task, virtual_clock, vllm_engine  # noqa: F401  (short names: VirtualClock, ...)
+from lit_gmc.data import live, math_task, virtual_clock, vllm_engine, vllm_serve  # noqa: F401  (short names: VirtualClock, ...)
 from lit_gmc.data.components import component_problems
-from lit_gmc.data.datamodule import RolloutDataModule
+from lit_gmc.data.datamodule import RolloutDataModule, TokenizerSetup
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem
-from lit_gmc.resume import RunSettings, check_resume, run_settings
+from lit_gmc.parse_errors import (
+    DATA_COMPONENTS,
+    PARSE_ERRORS,
+    import_class,
+    parse_error_message,
+    without_option,
+)
+from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
+from lit_gmc.run_folder import RunFolder, default_run_name, refuse_earlier_checkpoints, saved_version
 
-DATA_COMPONENTS = ("schedule", "engine", "task")
-
-
-def import_class(class_path: str) -> type:
-    """The class named by a dotted ``class_path``."""
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+DESCRIPTION = (
+    "Asynchronous RL post-training of LLMs on stale rollouts (GMC-GRPO and its baselines), in Lightning. Commands: "
+    "fit (train; lit_gmc fit --help) and export (a checkpoint to a transformers folder; lit_gmc export --help)."
+)
 
 
 def collect_problems(config: Namespace) -> list[str]:
@@ -52,6 +58,9 @@ def collect_problems(config: Namespace) -> list[str]:
         problems += class_problems(config.data[key], f"--data.{key}")
     problems += unresolved_problems(config.get("optimizer"), "--optimizer")
     problems += unresolved_problems(config.get("lr_scheduler"), "--lr_scheduler")
+    every = config.get("progress_every")
+    if every is not None and every < 1:
+        problems.append(f"--progress_every={every} must be >= 1 (or null: about 1% of the run)")
     scheduler = config.get("lr_scheduler")
     if isinstance(scheduler, Namespace) and scheduler.get("class_path"):
         problems += monitored_schedule_problem(import_class(scheduler.class_path), scheduler.class_path)
@@ -88,117 +97,6 @@ def class_problems(spec: object, flag: str) -> list[str]:
     return component_problems(import_class(spec.class_path), init_args, flag)
 
 
-def bad_value(message: str) -> tuple[str, str] | None:
-    """``(flag, problem)`` of a parser message about one value of the wrong type, else None.
-
-    ``Parser key "data.schedule": ... Parser key "delay": Expected a <class 'int'>. Got value: abc`` gives
-    ``("--data.schedule.delay", "--data.schedule.delay=abc: expected int")``; a union lists each type it tried.
-    """
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    value = re.search(r"(?:Got|Given) value: (.*)$", message, re.M)
-    expected = re.findall(r"Expected a (.+?)(?:\. Got value:|$)", message, re.M)
-    if not keys or value is None or not expected:
-        return None
-    names = [re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", kind).replace("typing.", "") for kind in expected]
-    names = [name.replace("NoneType", "null") for name in dict.fromkeys(names)]
-    flag = "--" + ".".join(keys)
-    return flag, f"{flag}={value[1].strip()}: expected {' or '.join(names)}"
-
-
-GMC_ONLY = {"cap_schedule", "cap_scale", "cap_min", "cap_max"}
-
-
-def foreign_option(message: str) -> tuple[str, str] | None:
-    """``(flag, problem)`` of a parser message about an option the chosen component class does not take, else None.
-
-    ``--model.correction GRPO --model.correction.cap 0.3`` gives ``("--model.correction.cap",
-    "--model.correction.cap: GRPO has no option cap (its options: clip, aggregation)")``.
-    """
-    key = re.search(r'Parser key "([^"]+)"', message)
-    class_path = re.search(r"class_path '([\w.]+)'", message)
-    option = re.search(r"Option '(\w+)' is not accepted", message)
-    if key is None or class_path is None or option is None:
-        return None
-    flag, name = f"--{key[1]}.{option[1]}", class_path[1].rpartition(".")[2]
-    with contextlib.suppress(ImportError, AttributeError, ValueError):
-        accepted = [p for p in inspect.signature(import_class(class_path[1])).parameters if p not in ("self", "args")]
-        name += f" has no option {option[1]} (its options: {', '.join(accepted) or 'none'})"
-    if not name.endswith(")"):
-        name += f" has no option {option[1]}"
-    if key[1] == "model.correction" and option[1] in GMC_ONLY:
-        name += "; the Corollary-1 cap schedule is GMC's alone (its rate is derived for GMC's group-mass cap)"
-    return flag, f"{flag}: {name}"
-
-
-def unknown_rule(message: str) -> tuple[str, str] | None:
-    """``("--model.correction", problem)`` when the parser could not resolve ``--model.correction`` to a class."""
-    if not message.startswith('Parser key "model.correction"') or "NestedArg" in message:
-        return None
-    bad = bad_value(message)
-    if bad is None or bad[0] != "--model.correction":
-        return None
-    value = bad[1].removeprefix("--model.correction=").split(":", 1)[0]
-    rules = ", ".join(sorted(lit_gmc.rules.__all__))  # the built-in ones (a user's are named by import path)
-    return bad[0], f"--model.correction={value} is not a rule: one of {rules}, or a Correction subclass's import path"
-
-
-def without_option(argv: list[str], flag: str) -> list[str] | None:
-    """``argv`` less the first ``flag VALUE`` or ``flag=VALUE``; None when the command line does not give ``flag``."""
-    for index, arg in enumerate(argv):
-        if arg == flag:
-            return argv[:index] + argv[index + 2 :]
-        if arg.startswith(flag + "="):
-            return argv[:index] + argv[index + 1 :]
-    return None
-
-
-def config_files(argv: list[str]) -> list[Path]:
-    """The ``--config`` files of a command line that exist, in order (later ones override earlier ones)."""
-    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
-    paths += [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]
-    return [Path(path) for path in paths if Path(path).is_file()]
-
-
-def yaml_problem(argv: list[str]) -> str | None:
-    """``--config FILE: not valid YAML (line, column): problem`` for the first ``--config`` file YAML cannot read."""
-    for path in config_files(argv):
-        try:
-            yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-            return f"--config {path}: not valid YAML{where}: {getattr(err, 'problem', None) or err}"
-    return None
-
-
-def setting_file(argv: list[str], flag: str) -> Path | None:
-    """The last ``--config`` file that sets ``flag`` (``--data.schedule.delay`` may sit under ``init_args``)."""
-    found = None
-    for path in config_files(argv):
-        with contextlib.suppress(yaml.YAMLError, OSError):
-            node = yaml.safe_load(path.read_text(encoding="utf-8"))
-            for key in flag.removeprefix("--").split("."):
-                if isinstance(node, dict) and key not in node:
-                    node = node.get("init_args")
-                if not (isinstance(node, dict) and key in node):
-                    break
-                node = node[key]
-            else:
-                found = path
-    return found
-
-
-def parse_error_message(message: str, argv: list[str], noted: list[str]) -> str:
-    """One message for a parse error, after the ``noted`` bad values; a YAML syntax error names its file."""
-    bad = bad_value(message)
-    if bad is not None:  # a bad value in a config file, which cannot be dropped like one on the command line
-        where = setting_file(argv, bad[0])
-        message = bad[1] + (f" (set in {where})" if where else "")
-    elif message.startswith("Problems parsing config"):
-        message = yaml_problem(argv) or message
-    return "\n  ".join(["invalid options:", *noted, message]) if noted else message
-
-
 def checkpoint_dir(logger: object) -> str | None:
     """``<save_dir>/<name>/checkpoints`` of a parsed logger config; None when it names no ``save_dir``.
 
@@ -216,6 +114,24 @@ def embedded_default() -> str:
     return str(files("lit_gmc.configs") / "tiny.yaml")
 
 
+def not_a_tip(record: logging.LogRecord) -> bool:
+    """False for Lightning's start-up tips about its cloud products (litlogger, litmodels), which lit_gmc never uses."""
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_startup() -> None:
+    """Silence start-up noise that says nothing about the run (idempotent).
+
+    Lightning's product tips; transformers' weight-loading bars (the actor loads twice, engine and learner, and the
+    tiny one in milliseconds; downloads keep huggingface_hub's bars); and the deprecation warning Lightning's own
+    pytree helper raises under torch >= 2.10, which a user cannot act on.
+    """
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(not_a_tip)
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 class GMCCLI(LightningCLI):
     """Links the options that must agree and reports every invalid option in one message.
 
@@ -228,14 +144,22 @@ class GMCCLI(LightningCLI):
         # exit_on_error=False: a parse error raises, so that it can be told apart (parse_arguments) and printed as
         # one line by __main__ rather than after the whole usage text.
         defaults = {"default_config_files": [embedded_default()], "exit_on_error": False}
-        commands = {cmd: defaults for cmd in ("fit", "validate", "test", "predict")}
-        kwargs.setdefault("parser_kwargs", {"exit_on_error": False, **commands})
+        commands = {cmd: defaults for cmd in self.subcommands()}
+        main_parser = {"exit_on_error": False, "prog": "lit_gmc", "description": DESCRIPTION}
+        kwargs.setdefault("parser_kwargs", {**main_parser, **commands})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # --optimizer and --lr_scheduler are the module's init args (add_arguments_to_parser), built by the module in
         # configure_optimizers: LightningCLI's automatic ones are built before FSDP2 shards the actor and replace the
         # module's configure_optimizers, which steps them once per update.
         kwargs.setdefault("auto_configure_optimizers", False)
+        quiet_startup()
         super().__init__(GMCModule, RolloutDataModule, *args, **kwargs)
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` alone of Lightning's: a GMCModule has no validation, test or predict step to run."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
 
     def subcommand_config(self) -> Namespace:
         """The parsed config of the subcommand (``fit``, ...), or the whole config without one (``run=False``)."""
@@ -265,6 +189,14 @@ class GMCCLI(LightningCLI):
         # As plain dicts: linked as parsed, jsonargparse would merge a new class's options into the previous one's.
         parser.link_arguments("optimizer", "model.optimizer", compute_fn=as_dict)
         parser.link_arguments("lr_scheduler", "model.lr_scheduler", compute_fn=as_dict)
+        parser.add_argument(
+            "--progress_every",
+            type=int | None,
+            default=None,
+            help="Where stdout is not a terminal (a log file, a pipe, SLURM, CI), print one progress line every this "
+            "many updates (update/total, reward and delay over the window, queue depth, updates/s, ETA); null: about "
+            "1%% of --trainer.max_steps. In a terminal the live bar is drawn instead.",
+        )
         parser.add_argument(
             "--torch_num_threads",
             type=int | None,
@@ -297,7 +229,7 @@ class GMCCLI(LightningCLI):
                     "torch.optim.AdamW ...) or install the package"
                 ) from err
             except ArgumentError as err:
-                bad = (foreign_option(str(err)) or unknown_rule(str(err)) or bad_value(str(err))) if argv else None
+                bad = next(filter(None, (read(str(err)) for read in PARSE_ERRORS)), None) if argv else None
                 rest = without_option(argv, bad[0]) if bad else None
                 if rest is None:
                     raise UserError(parse_error_message(str(err), argv or [], noted)) from None
@@ -312,15 +244,19 @@ class GMCCLI(LightningCLI):
         """
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
+        name_run_after_task(config)
         if config.checkpoint.dirpath is None:
             config.checkpoint.dirpath = checkpoint_dir(config.trainer.logger)
         plan_schedule(config)
         problems = noted + collect_problems(config)
         if problems:
             raise UserError("invalid options:\n  " + "\n  ".join(problems))
-        if config.get("ckpt_path"):
+        if not config.get("ckpt_path"):
+            refuse_earlier_checkpoints(config.checkpoint.dirpath)
+        else:
             settings = run_settings(config) if subcommand == "fit" else None
             check_resume(config.ckpt_path, config.checkpoint.dirpath, settings)
+            continue_logger_version(config)
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -330,6 +266,28 @@ class GMCCLI(LightningCLI):
         ``last``), so a resume with changed settings would silently run with the old ones, and it fails with a
         bare ``KeyError`` or ``AttributeError`` on a file that is not a checkpoint.
         """
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Build the model, data and trainer once :func:`preflight_problems` finds nothing missing on this machine.
+
+        Then refuse training prompts the tiny actor's character tokenizer cannot encode (:func:`tiny_alphabet_problem`)
+        or that leave no room for ``--data.max_new_tokens`` in the actor's context (:func:`context_problem`).
+        """
+        problems = preflight_problems(self.subcommand_config())
+        if len(problems) == 1:
+            raise UserError(problems[0])
+        if problems:
+            raise UserError("this machine cannot run this config:\n  " + "\n  ".join(problems))
+        super().instantiate_classes()
+        task, config = self.datamodule.task, self.subcommand_config()
+        if isinstance(task, TokenizerSetup):  # prompts made with the engine's tokenizer (Math: its own budget)
+            return
+        prompts = [(prompt.id, prompt.text) for prompt in task.train_prompts()]
+        problem = tiny_alphabet_problem(prompts) if config.model.actor == "tiny" else None
+        problem = problem or context_problem(config.model.actor, prompts, config.data.max_new_tokens)
+        if problem:
+            raise UserError(problem)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -343,10 +301,18 @@ class GMCCLI(LightningCLI):
         configured = list(configured) if isinstance(configured, list) else [configured]  # the trainer extends it
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(RunSettings(run_settings(self.subcommand_config())))  # read back on resume
+        # First, so that a run refused for a folder in use writes nothing there (SaveConfigCallback's config.yaml)
+        trainer.callbacks.insert(0, RunFolder(self.subcommand_config().checkpoint.dirpath))
         bar = trainer.progress_bar_callback
         if type(bar) is RichProgressBar and not any(c is bar for c in configured):  # Lightning's default bar
-            trainer.callbacks[trainer.callbacks.index(bar)] = UpdateProgressBar()
+            every = self.subcommand_config().get("progress_every")
+            trainer.callbacks[trainer.callbacks.index(bar)] = default_progress_bar(sys.stdout.isatty(), every)
         return trainer
+
+
+def default_progress_bar(terminal: bool, every_n_updates: int | None) -> ProgressBar:
+    """The live bar in a terminal; elsewhere (a log file, a pipe) one plain line every ``every_n_updates``."""
+    return UpdateProgressBar() if terminal else ProgressLines(every_n_updates)
 
 
 class UpdateProgressBar(RichProgressBar):
@@ -360,6 +326,64 @@ class UpdateProgressBar(RichProgressBar):
     @override
     def _get_train_description(self, current_epoch: int) -> str:
         return "updates"
+
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        """``max_steps``: after a resume Lightning counts only the updates left, while the bar counts all of them."""
+        return self.trainer.max_steps if self.trainer.max_steps > 0 else super().total_train_batches
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)  # updates, not batches
+
+    @override
+    def get_metrics(self, trainer: Trainer, pl_module: Any) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        if "v_num" in metrics:  # the bar formats every number as a float (``v_num: 0.000``)
+            metrics["v_num"] = str(metrics["v_num"])
+        return metrics
+
+
+def preflight_problems(config: Namespace) -> list[str]:
+    """What the parsed ``config`` needs from this machine and does not find (:mod:`lit_gmc.preflight`), one per line."""
+    problems = preflight.accelerator_problems(config.trainer.accelerator, config.trainer.devices)
+    engine, task = config.data.engine, config.data.task
+    if isinstance(engine, Namespace) and engine.get("class_path"):
+        init_args = as_dict(engine.get("init_args")) or {}
+        problems += preflight.engine_problems(import_class(engine.class_path), init_args, config.model.actor)
+    problems.append(preflight.actor_problem(config.model.actor))
+    check = getattr(import_class(task.class_path), "preflight_problems", None) if isinstance(task, Namespace) else None
+    if check is not None:
+        problems += check(**(as_dict(task.get("init_args")) or {}))
+    logger = config.trainer.logger
+    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    save_dir = init_args.get("save_dir") if isinstance(init_args, Namespace) else None
+    unwritable = preflight.writable_problem(save_dir and str(save_dir), "--trainer.logger.init_args.save_dir")
+    if unwritable is None and config.checkpoint.dirpath is not None:  # (one line when it lies in the logger's)
+        unwritable = preflight.writable_problem(str(config.checkpoint.dirpath), "--checkpoint.dirpath")
+    problems.append(unwritable)
+    return [problem for problem in problems if problem]
+
+
+def name_run_after_task(config: Namespace) -> None:
+    """A logger ``name`` of ``null`` becomes ``<task>_<model>`` (:func:`~lit_gmc.run_folder.default_run_name`)."""
+    logger, task = config.trainer.logger, config.data.task
+    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    if isinstance(init_args, Namespace) and "name" in init_args and init_args.name is None:
+        task_path = task.class_path if isinstance(task, Namespace) else type(task).__name__
+        init_args.name = default_run_name(task_path, str(config.model.actor))
+
+
+def continue_logger_version(config: Namespace) -> None:
+    """On resume, log into the checkpoint's logger version (one run in TensorBoard), unless a version is set."""
+    path = checkpoint_file(config.ckpt_path, config.checkpoint.dirpath)
+    init_args = config.trainer.logger.get("init_args") if isinstance(config.trainer.logger, Namespace) else None
+    if path is None or not isinstance(init_args, Namespace) or "version" not in init_args:
+        return
+    version = saved_version(read_checkpoint(path))
+    if init_args.version is None and version is not None:
+        init_args.version = version
 
 
 def plan_schedule(config: Namespace) -> None:

@@ -137,7 +137,11 @@ def export_checkpoint(
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     except OSError as err:  # a read-only or full disk, a file in the way
         raise UserError(f"--out {out_dir}: cannot write there ({err})") from err
+    # Batched generation appends after each prompt, so pad before it. save_pretrained writes the init kwargs, not
+    # the attribute, so both are set (the tokenizer's own padding_side="left" at load time ends the same way).
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
     try:
+        os.chmod(staging, 0o777 & ~current_umask())  # as mkdir would make it (mkdtemp's is private: 0o700)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, out_dir)
@@ -148,11 +152,60 @@ def export_checkpoint(
     return out_dir
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it, so it is set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def run_checkpoint_dir(configs: list[str]) -> Path:
+    """The checkpoint folder a ``fit`` with these ``--config`` files writes to, layered over the embedded default.
+
+    ``--checkpoint.dirpath`` when a file sets it, else ``<logger save_dir>/<logger name>/checkpoints`` (fit's rule).
+    """
+    import yaml
+
+    from lit_gmc.cli import embedded_default
+
+    save_dir, name, dirpath = "runs", "", None
+    for path in [embedded_default(), *configs]:
+        try:
+            content = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise UserError(f"--config {path}: cannot be read ({first_line(err)})") from err
+        logger = (content.get("trainer") or {}).get("logger") if isinstance(content, dict) else None
+        init_args = (logger.get("init_args") or {}) if isinstance(logger, dict) else {}
+        save_dir, name = init_args.get("save_dir", save_dir), init_args.get("name", name)
+        dirpath = ((content.get("checkpoint") or {}) if isinstance(content, dict) else {}).get("dirpath", dirpath)
+    return Path(dirpath) if dirpath else Path(str(save_dir), str(name or ""), "checkpoints")
+
+
+def resolved_checkpoint(ckpt_path: str, configs: list[str]) -> str:
+    """``--ckpt_path`` as given, or for ``last`` the newest ``last*.ckpt`` of the run's checkpoint folder (as fit)."""
+    from lit_gmc.resume import checkpoint_file
+
+    if ckpt_path != "last":
+        return ckpt_path
+    folder = run_checkpoint_dir(configs)
+    found = checkpoint_file("last", str(folder))
+    if found is None:
+        raise UserError(
+            f"--ckpt_path last: no last*.ckpt in {folder}, the checkpoint folder of the run's config; pass the run's "
+            "--config files, or the checkpoint's path"
+        )
+    return str(found)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line of ``python -m lit_gmc export``; a :class:`UserError` reaches ``lit_gmc.__main__``."""
-    parser = argparse.ArgumentParser(prog="python -m lit_gmc export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lit_gmc export", description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt_path", required=True,
-                        help="a checkpoint of lit_gmc fit (e.g. last.ckpt), a file or a sharded folder")  # fmt: skip
+                        help="a checkpoint of lit_gmc fit (e.g. last.ckpt), a file or a sharded folder; 'last': the "
+                        "newest last*.ckpt of the run's checkpoint folder, as in fit (see --config)")  # fmt: skip
+    parser.add_argument("--config", action="append", default=[],
+                        help="the run's config files, as given to fit, to find its checkpoint folder for "
+                        "--ckpt_path last (default: the embedded default's, runs/tiny/checkpoints)")  # fmt: skip
     parser.add_argument("--out", required=True, help="new folder for the transformers model and tokenizer")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="dtype of the saved weights (training keeps fp32 master weights)")  # fmt: skip
@@ -160,5 +213,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="the model to load the weights into (default: the checkpoint's actor); a local copy "
                         "of it where that is out of reach, e.g. a hub name on an offline machine")  # fmt: skip
     args = parser.parse_args(argv)
-    out = export_checkpoint(args.ckpt_path, args.out, args.dtype, args.actor)
-    print(f"exported {args.ckpt_path} -> {out}")
+    ckpt_path = resolved_checkpoint(args.ckpt_path, args.config)
+    out = export_checkpoint(ckpt_path, args.out, args.dtype, args.actor)
+    print(f"exported {ckpt_path} -> {out}")

@@ -155,10 +155,11 @@ def load_benchmarks(args: argparse.Namespace) -> list[Benchmark]:
 
 def table(results: dict[str, Any]) -> str:
     """The paper's Table 1 layout: one row per benchmark, "greedy / avg@n" in percent, then the macro average."""
-    lines = [f"{'benchmark':<16}{'greedy / avg@n':>18}{'n':>5}{'problems':>10}"]
+    lines = [f"{'benchmark':<16}{'greedy / avg@n':>18}{'n':>5}{'problems':>10}{'skipped':>9}"]
     for entry in results["benchmarks"].values():
         cell = f"{100 * entry['greedy']:.1f} / {100 * entry['avg@n']:.1f}"
-        lines.append(f"{entry['title']:<16}{cell:>18}{entry['n']:>5}{entry['problems']:>10}")
+        skipped = entry.get("skipped", 0)  # rows without a reference answer, left out
+        lines.append(f"{entry['title']:<16}{cell:>18}{entry['n']:>5}{entry['problems']:>10}{skipped:>9}")
     macro = results["macro"]
     cell = f"{100 * macro['greedy']:.1f} / {100 * macro['avg@n']:.1f}"
     lines.append(f"{'macro average':<16}{cell:>18}")
@@ -194,7 +195,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         items = bench.items[: args.limit]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
         n = args.samples or bench.samples
-        suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n)))
+        suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n),
+                            skipped=len(bench.skipped)))  # fmt: skip
     scorers: list[MathScorer] = []  # the math scorer starts verifier processes: only when a benchmark needs it
 
     def math_scorer() -> MathScorer:

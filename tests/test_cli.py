@@ -106,8 +106,8 @@ def test_an_option_of_another_schedule_cannot_be_given():
 
 def test_closed_choices_are_checked_by_the_parser():
     with pytest.raises(UserError, match=r"--data.engine.layout=sideways: expected Literal\['colocated', 'dedicated'\]"):
-        parse("--data.engine", "VLLMEngine", "--data.engine.layout", "sideways")
-    assert parse("--data.engine", "VLLMEngine", "--data.engine.layout", "dedicated").data.engine.init_args.layout == (
+        parse("--data.engine", "HFEngine", "--data.engine.layout", "sideways")
+    assert parse("--data.engine", "HFEngine", "--data.engine.layout", "dedicated").data.engine.init_args.layout == (
         "dedicated"
     )
 
@@ -166,7 +166,8 @@ def test_every_config_parses_and_validates(path):
 def documented_commands() -> list[list[str]]:
     """Every ``python -m lit_gmc fit ...`` command of README.md and the configs' comments, as argument lists.
 
-    Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``GMC``.
+    Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``GMC``
+    and ``${delay}`` to 128.
     """
     texts = [(REPO / "README.md").read_text()] + [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
     commands = []
@@ -174,7 +175,8 @@ def documented_commands() -> list[list[str]]:
         lines = [line.strip().lstrip("#").strip() for line in text.replace("\\\n", " ").splitlines()]
         for line in lines:
             if line.startswith("python -m lit_gmc fit") and "..." not in line and "help" not in line:
-                argv = shlex.split(line.split("  #")[0].split(" [")[0].replace("$rule", "GMC"))[4:]
+                command = line.split("  #")[0].split(" [")[0].replace("$rule", "GMC").replace("${delay}", "128")
+                argv = shlex.split(command)[4:]
                 commands.append([a.replace("configs/", str(REPO / "configs") + "/") for a in argv])
     return commands
 
@@ -297,7 +299,8 @@ def test_a_user_error_is_one_line_with_status_2_and_a_bug_keeps_its_traceback(tm
                            str(tmp_path / "absent.jsonl")], capture_output=True, text=True, cwd=REPO,
                           timeout=120)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert done.stderr.splitlines()[-1].startswith(f"lit_gmc: error: data not found: {tmp_path / 'absent.jsonl'}")
+    last = done.stderr.splitlines()[-1]  # found missing before anything loads, naming its option
+    assert last.startswith(f"lit_gmc: error: --data.task.path {tmp_path / 'absent.jsonl'}: no such file or folder")
 
     def bug(argv):
         raise RuntimeError("a bug")
@@ -340,6 +343,8 @@ def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tm
     from lit_gmc.cli import UpdateProgressBar
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)  # in a terminal (tests/test_first_hour.py: elsewhere)
     trainer = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3"]).trainer
     bar = trainer.progress_bar_callback
     assert type(bar) is UpdateProgressBar and bar._get_train_description(0) == "updates"

@@ -70,7 +70,7 @@ def test_evaluate_suites_computes_the_papers_metrics(scorer):
     ]
     results = evaluate_suites(engine, tokenizer, scorer, suites, max_new_tokens=32, seed=3)
     a = results["benchmarks"]["a"]
-    assert a == pytest.approx({"title": "A", "problems": 2, "n": 4, "greedy": 0.5, "avg@n": 0.375,
+    assert a == pytest.approx({"title": "A", "problems": 2, "skipped": 0, "n": 4, "greedy": 0.5, "avg@n": 0.375,
                                "pass@1": 0.375, "pass@2": (5 / 6 + 1 / 2) / 2, "pass@4": 1.0})  # fmt: skip
     assert results["benchmarks"]["b"]["greedy"] == 1.0 and results["benchmarks"]["b"]["avg@n"] == 1.0
     assert results["macro"] == pytest.approx({"greedy": 0.75, "avg@n": (0.375 + 1.0) / 2})
@@ -168,7 +168,7 @@ def test_a_benchmark_file_brings_its_own_columns_template_and_scorer(tmp_path):
     assert json.loads((tmp_path / "eval" / "step_0.json").read_text())["benchmarks"] == results["benchmarks"]
     entry = results["benchmarks"]["sums"]
     # greedy: " 5" is right, "3" is wrong; samples: 2 of 4 ("5", "5 ") and 2 of 4 ("2", "2")
-    assert entry == pytest.approx({"title": "sums", "problems": 2, "n": 4, "greedy": 0.5, "avg@n": 0.5,
+    assert entry == pytest.approx({"title": "sums", "problems": 2, "skipped": 0, "n": 4, "greedy": 0.5, "avg@n": 0.5,
                                    "pass@1": 0.5, "pass@2": 5 / 6, "pass@4": 1.0})  # fmt: skip
     assert set(scalars_of(results)) >= {"eval/sums/greedy", "eval/sums/avg@4", "eval/sums/pass@4"}
     callback.teardown(trainer, None, "fit")
@@ -373,13 +373,15 @@ def test_qwen_configs_hold_the_paper_defaults(fragment, actor, capsys):
     assert (trainer["precision"], model["dtype"], data["engine"]["init_args"]["dtype"]) == (
         "bf16-mixed", "float32", "bfloat16")  # fmt: skip
     assert model["max_grad_norm"] == 1.0
-    # the rule is a component with its own threshold; its aggregation is the rule's own default
+    # the rule is a component with its own threshold; the paper's suites hold Eq. 2's 1/(T B G) for every rule
     correction = model["correction"]
     assert correction["class_path"] == "lit_gmc.rules.GMC"
-    assert (correction["init_args"]["cap"], correction["init_args"]["aggregation"]) == (0.28, None)
+    assert (correction["init_args"]["cap"], correction["init_args"]["aggregation"]) == (0.28, "seq_sum_over_T")
     assert (data["batch_prompts"], data["group_size"]) == (8, 8)
     assert (data["max_new_tokens"], data["temperature"], data["top_p"]) == (4096, 1.0, 1.0)
-    assert data["engine"]["class_path"] == "lit_gmc.data.vllm_engine.VLLMEngine"
+    # 1.7B: vLLM in the learner's process on one GPU (the paper's layout (a)); 4B and 8B: a `vllm serve` of their own
+    engine = "vllm_engine.VLLMEngine" if actor == "1.7B" else "vllm_serve.VLLMServers"
+    assert data["engine"]["class_path"] == f"lit_gmc.data.{engine}"
     task = data["task"]
     assert task["class_path"] == "lit_gmc.data.math_task.Math"
     # the hub by default: a plain clone has no ../shared
@@ -388,4 +390,4 @@ def test_qwen_configs_hold_the_paper_defaults(fragment, actor, capsys):
     callbacks = {c["class_path"].rsplit(".", 1)[1]: c.get("init_args", {}) for c in trainer["callbacks"]}
     assert callbacks["Evaluation"]["at_steps"] == [200, 300, 400, 800] and callbacks["Evaluation"]["data_dir"] is None
     checkpoint = config["checkpoint"]
-    assert (checkpoint["at_steps"], checkpoint["every_n_train_steps"]) == ([200, 300, 400, 800], 0)
+    assert (checkpoint["at_steps"], checkpoint["every_n_train_steps"]) == ([200, 300, 400, 800], 50)

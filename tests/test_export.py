@@ -15,6 +15,7 @@ from run_helpers import component, fit, run_subprocess, write_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lit_gmc.actor
+import lit_gmc.export
 from lit_gmc.actor import load_actor
 from lit_gmc.errors import UserError
 from lit_gmc.export import export_checkpoint
@@ -46,11 +47,15 @@ def resumed_checkpoint(tmp_path_factory):
 
 def test_export_after_a_resume_loads_with_transformers(resumed_checkpoint, tmp_path):
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "lit_gmc", "export", "--ckpt_path", str(resumed_checkpoint),
+    config = resumed_checkpoint.parents[2] / "run.yaml"  # --ckpt_path last finds it through the run's config
+    done = subprocess.run([sys.executable, "-m", "lit_gmc", "export", "--ckpt_path", "last", "--config", str(config),
                            "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == f"exported {resumed_checkpoint} -> {out}"
+    assert out.stat().st_mode & 0o777 == 0o777 & ~lit_gmc.export.current_umask()  # as mkdir, not mkdtemp's 0o700
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.padding_side == "left"  # batched generation continues each prompt, not its padding
     state = torch.load(resumed_checkpoint, weights_only=True)["state_dict"]
     exported = model.state_dict()
     actor = {k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")}
@@ -187,3 +192,12 @@ def test_export_loads_in_vllm_and_samples_like_transformers(resumed_checkpoint, 
     reference.start(str(out))
     from_hf = [g.response_ids[0][g.response_mask[0]].tolist() for g in reference.generate(prompts, 1, greedy)]
     assert from_vllm == from_hf
+
+
+def test_export_s_last_without_a_checkpoint_names_the_folder_it_looked_in(tmp_path):
+    from lit_gmc.export import resolved_checkpoint
+
+    config = write_config(tmp_path, "fresh", total=2)
+    with pytest.raises(UserError, match=f"--ckpt_path last: no last\\*.ckpt in {tmp_path / 'fresh' / 'checkpoints'}"):
+        resolved_checkpoint("last", [str(config)])
+    assert resolved_checkpoint("some.ckpt", []) == "some.ckpt"

@@ -58,12 +58,13 @@ def test_a_missing_actor_folder_is_one_line_naming_the_option(tmp_path):
 
 
 def test_a_hub_actor_on_an_offline_machine_says_to_pass_a_local_copy(tmp_path):
-    # HF_HUB_OFFLINE makes "no network" certain (and fast: no retries); without it transformers says the same
-    # after its retries, which the message quotes.
-    done = lit_gmc(*fit_args(tmp_path, "--model.actor", "lit-gmc-tests/no-such-model"), env={"HF_HUB_OFFLINE": "1"})
-    last = one_line_error(done)
-    assert last.startswith("lit_gmc: error: --model.actor lit-gmc-tests/no-such-model is no local folder, and loading")
-    assert "without network access, pass a local copy of the model" in last
+    # HF_HUB_OFFLINE makes "no network" certain; the preflight says so before anything loads (no retries)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty_cache")}
+    last = one_line_error(lit_gmc(*fit_args(tmp_path, "--model.actor", "lit-gmc-tests/no-such-model"), env=env))
+    assert last == (
+        "lit_gmc: error: --model.actor lit-gmc-tests/no-such-model: HF_HUB_OFFLINE is set and the model is not in the "
+        "hub cache; point --model.actor at a local copy, or unset HF_HUB_OFFLINE where the hub can be reached"
+    )
 
 
 def test_actor_paths_that_are_not_model_folders(tmp_path, monkeypatch):

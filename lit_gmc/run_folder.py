@@ -1,0 +1,107 @@
+"""A run's folders: one run at a time writes a checkpoint folder, and a resumed run goes on in its logger version.
+
+Checkpoints live in one folder per logger name (``<save_dir>/<name>/checkpoints``, so that ``--ckpt_path last``
+finds them from a new process), while each start of the logger opens a new ``version_N``. Two consequences are
+handled here: two runs in one folder would mix their checkpoints (``last-v1.ckpt`` beside the other's
+``last.ckpt``), so a new run into a folder that holds checkpoints is refused, and while a run goes on it holds a
+lock that refuses a second one started beside it; and a resumed run would show in
+TensorBoard as a second run, so every checkpoint records its logger version and a resume reopens it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lit_gmc.errors import UserError
+
+VERSION_KEY = "lit_gmc_logger_version"
+LOCK_SUFFIX = ".lit_gmc.lock"
+
+
+def lock_folder(folder: str | Path) -> TextIO:
+    """An open lock file beside ``folder`` held by this process; a :class:`UserError` if another process holds it.
+
+    Beside the folder, not in it: Lightning warns about a checkpoint folder that is not empty.
+    """
+    path = Path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path.parent / f".{path.name}{LOCK_SUFFIX}", "a+", encoding="utf-8")  # noqa: SIM115 - held all run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UserError(
+            f"--checkpoint.dirpath {path}: another run ({holder}) is writing its checkpoints there; give this run its "
+            "own folder (--trainer.logger.init_args.name NAME, or --checkpoint.dirpath)"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+class RunFolder(pl.Callback):
+    """Holds the checkpoint folder's lock while fitting (global rank 0), and records the logger version.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder (``None``: no lock).
+    """
+
+    def __init__(self, checkpoint_dir: str | None) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.lock: TextIO | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.checkpoint_dir is not None and trainer.is_global_zero and self.lock is None:
+            self.lock = lock_folder(self.checkpoint_dir)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.lock is not None:
+            self.lock.close()  # releases the lock
+            self.lock = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint[VERSION_KEY] = trainer.logger.version if trainer.logger is not None else None
+
+
+def saved_version(checkpoint: dict[str, Any]) -> int | str | None:
+    """The logger version a checkpoint was written under (None for checkpoints from before it was recorded)."""
+    return checkpoint.get(VERSION_KEY)
+
+
+def refuse_earlier_checkpoints(folder: str | None) -> None:
+    """A :class:`UserError` when a new run (no ``--ckpt_path``) would write beside another run's checkpoints.
+
+    Lightning would write its ``last.ckpt`` as ``last-v1.ckpt`` beside the other's, and ``--ckpt_path last`` would
+    then pick whichever was written last.
+    """
+    found = sorted(path.name for path in Path(folder).glob("*.ckpt")) if folder is not None else []
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise UserError(
+            f"--checkpoint.dirpath {folder} holds another run's checkpoints ({shown}); resume that run with "
+            "--ckpt_path last, or give this one its own folder (--trainer.logger.init_args.name NAME), or remove them"
+        )
+
+
+def default_run_name(task_class_path: str, actor: str) -> str:
+    """``<task>_<model>``, e.g. ``addition_tiny`` or ``math_Qwen3-4B-Base``: a run folder per task and model."""
+    task = task_class_path.rpartition(".")[2].lower()
+    model = Path(actor.rstrip("/")).name or actor
+    return f"{task}_{model}"
