@@ -1,10 +1,13 @@
-"""``BehaviorRecompute``: behaviour log-probs rescored by the learner's own code, to measure the engine's gap."""
+"""``BehaviorRecompute``: behaviour log-probs rescored with the learner's own numerics instead of the engine's."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,21 +18,77 @@ from lit_gmc.logprobs import response_logprobs
 
 
 class BehaviorRecompute:
-    """An engine whose behaviour log-probs are rescored by the learner's own code on a copy of the same weights.
+    """An engine whose behaviour log-probs are rescored with the learner's numerics on a copy of the same weights.
 
     The wrapped engine samples; :func:`~lit_gmc.logprobs.response_logprobs` on an HF copy, kept at the engine's
-    version (and moved to the published tensors' device and dtype), scores the sampled tokens at the sampling
-    temperature and replaces the engine's log-probs, so the importance ratio carries no engine/trainer numerical
-    gap. The gap it removed is measured: :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|`` over the
-    tokens generated since the previous call. The learner applies no top-p, so with ``top_p < 1`` the rescored
-    log-probs are those of the tempered, untruncated distribution, as the learner's are. At scale the copy is a
-    second full model on the learner's device: a diagnostic, not the paper's setting.
+    version in the learner's dtype and on its device, scores the sampled tokens at the sampling temperature and
+    replaces the engine's log-probs. It scores as the learner will: the groups of one ``generate`` call collated
+    together (as the learner collates a batch of them), in passes of ``micro_batch_groups`` groups, under the
+    learner's ``forward_context`` (its precision plugin's autocast) and LM-head chunking. So where the learner sees
+    the same batch with the same weights (rows it trains on at delay 0 of a schedule whose batches are whole
+    launches), the ratio is exactly 1; elsewhere the gap left is the rounding of another batch layout, far below
+    the engine's. The gap it removed is measured: :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|``
+    over the tokens generated since the previous call. The learner applies no top-p, so with ``top_p < 1`` the
+    rescored log-probs are those of the tempered, untruncated distribution, as the learner's are. At scale the copy
+    is a second full model on the learner's device: chosen knowingly, not the paper's setting.
+
+    Args:
+        engine: The engine that samples.
+        model: The copy (a transformers causal LM on the actor's weights).
+        pad_id: Padding token id, as the learner collates.
+        forward_context: The learner's forward context, e.g. ``trainer.precision_plugin.train_step_context``.
+        chunk_tokens: The learner's ``logit_chunk_tokens``.
+        micro_batch_groups: The learner's groups per pass; ``None``: all of a call's groups in one pass.
+        device: Where the copy scores (the learner's device); ``None``: where ``model`` is.
+        dtype: The copy's parameter dtype (the learner's, e.g. its fp32 master weights); ``None``: ``model``'s.
     """
 
-    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, pad_id: int) -> None:
-        self.engine, self.model, self.pad_id = engine, model.eval().requires_grad_(False), pad_id
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        model: torch.nn.Module,
+        pad_id: int,
+        *,
+        forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        chunk_tokens: int = 512,
+        micro_batch_groups: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        # Parameters keep requires_grad=True, as the learner's (scoring runs under no_grad, so no gradient is ever
+        # made): ATen's matmul folds a 3-D input differently when the weight requires grad (measured on the tiny
+        # model's LM head over the strided response positions: 4.8e-6 apart in float32 otherwise).
+        self.engine, self.model, self.pad_id = engine, model.eval(), pad_id
+        self.model.to(device=device, dtype=dtype)
+        self.forward_context, self.chunk_tokens = forward_context, chunk_tokens
+        self.micro_batch_groups = micro_batch_groups
         self._lock = threading.Lock()  # the copy's weights and version change together, never mid-rescoring
         self._gap_sum, self._gap_count, self._gap_max = 0.0, 0, 0.0
+
+    @classmethod
+    def like_learner(
+        cls, engine: RolloutEngine, model: torch.nn.Module, pad_id: int, trainer: Any
+    ) -> BehaviorRecompute:
+        """Scoring as ``trainer``'s learner does: its precision context, device, chunking and groups per pass.
+
+        The module's ``logit_chunk_tokens``, ``micro_batch_groups`` and ``dtype`` hyperparameters are read when it
+        has them (:class:`~lit_gmc.module.GMCModule` does); without a trainer (a DataModule used alone) the defaults
+        hold. Published weights move the copy to their device and dtype: exactness needs them as the learner holds
+        them (a ``WeightSync`` without a ``dtype``).
+        """
+        if trainer is None:
+            return cls(engine, model, pad_id)
+        hparams = getattr(trainer.lightning_module, "hparams", {}) if trainer.lightning_module is not None else {}
+        return cls(
+            engine,
+            model,
+            pad_id,
+            forward_context=trainer.precision_plugin.train_step_context,
+            chunk_tokens=hparams.get("logit_chunk_tokens", 512),
+            micro_batch_groups=hparams.get("micro_batch_groups"),
+            device=trainer.strategy.root_device,
+            dtype=getattr(torch, hparams["dtype"]) if isinstance(hparams.get("dtype"), str) else None,
+        )
 
     @property
     def tokenizer(self):
@@ -45,8 +104,8 @@ class BehaviorRecompute:
         """Load the weights into the copy and the engine, under one lock."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         with self._lock, torch.no_grad():
-            if named:
-                self.model.to(device=named[0][1].device, dtype=named[0][1].dtype)  # the learner's numerics
+            if named:  # the learner's own tensors, unless WeightSync casts them (its dtype option): then not exact
+                self.model.to(device=named[0][1].device, dtype=named[0][1].dtype)
             params = dict(self.model.named_parameters())
             for name, tensor in named:
                 if name not in params:
@@ -57,19 +116,31 @@ class BehaviorRecompute:
     def generate(self, prompts, n: int, sampling: SamplingParams) -> list[RolloutGroup]:
         """The engine's groups, with behaviour log-probs rescored by the learner's code."""
         with self._lock:
-            return [self._rescored(g, sampling.temperature or 1.0) for g in self.engine.generate(prompts, n, sampling)]
+            groups = self.engine.generate(prompts, n, sampling)
+            return self._rescored(groups, sampling.temperature or 1.0) if groups else groups
 
-    def _rescored(self, group: RolloutGroup, temperature: float) -> RolloutGroup:
-        batch = collate_groups([group], pad_id=self.pad_id)
+    def _rescored(self, groups: list[RolloutGroup], temperature: float) -> list[RolloutGroup]:
+        batch = collate_groups(groups, pad_id=self.pad_id)  # the learner's layout of a batch of these groups
         device = next(self.model.parameters()).device
-        with torch.no_grad():
-            logprobs, _ = response_logprobs(self.model, batch.input_ids.to(device), batch.attention_mask.to(device),
-                                            batch.prompt_width, temperature=temperature)  # fmt: skip
-        logprobs = logprobs.float().cpu().masked_fill(~group.response_mask, 0.0)  # (G, L)
-        gap = (logprobs - group.behavior_logprobs.float())[group.response_mask].abs()  # (tokens,)
+        per_pass = self.micro_batch_groups or len(groups)
+        starts = range(0, len(groups), per_pass)
+        scored = []
+        for start in starts:
+            part = batch.groups_slice(start, min(start + per_pass, len(groups))) if len(starts) > 1 else batch
+            with torch.no_grad(), self.forward_context():
+                logprobs, _ = response_logprobs(self.model, part.input_ids.to(device), part.attention_mask.to(device),
+                                                part.prompt_width, temperature=temperature,
+                                                chunk_tokens=self.chunk_tokens)  # fmt: skip
+            scored.append(logprobs.float().cpu())  # (n_part, L)
+        logprobs = torch.cat(scored).masked_fill(~batch.response_mask, 0.0)  # (N, L)
+        gap = (logprobs - batch.behavior_logprobs)[batch.response_mask].abs()  # (tokens,)
         self._gap_sum, self._gap_count = self._gap_sum + float(gap.sum()), self._gap_count + gap.numel()
         self._gap_max = max(self._gap_max, float(gap.max())) if gap.numel() else self._gap_max
-        return dataclasses.replace(group, behavior_logprobs=logprobs)
+        rows = [g.group_size for g in groups]
+        out = []
+        for group, part in zip(groups, logprobs.split(rows), strict=True):
+            out.append(dataclasses.replace(group, behavior_logprobs=part[:, : group.response_ids.shape[1]].clone()))
+        return out
 
     def take_gap(self) -> dict[str, float]:
         """``engine_gap_abs_mean`` and ``engine_gap_abs_max`` since the last call (empty if nothing was generated)."""

@@ -1,55 +1,118 @@
 #!/usr/bin/env bash
-# One prepared GPU check, ~9 minutes on one H100/H200, in three parts (each can also run alone):
-#   tests  the CUDA tests: vLLM colocated sleep/wake + bf16 sync, the dedicated layout when a second GPU exists, a
-#          4-step tiny fit (issue 4); 8-bit AdamW keeping lr-1e-6 updates on fp32 masters, and its state sizes
-#          against scripts/memory_estimate.py (issue 10).                                       limit TESTS_S=200 s
-#   bench  rollout throughput of the HF and vLLM engines and the weight-sync latency (issue 4).  limit BENCH_S=100 s
-#   scale  3 updates of a random Qwen3-1.7B-width model with the Qwen3 configs' precision (fp32 masters under
-#          bf16-mixed), bitsandbytes 8-bit AdamW and colocated bf16 vLLM: tokens/s, update time, peak memory,
-#          engine/learner log-prob gap; then the memory estimate for the same lengths (issue 10). limit SCALE_S=240 s
-# Needs an environment with GPU vLLM and bitsandbytes: pip install -e ".[dev,vllm]". From the repository root:
-#   bash scripts/gpu_check.sh                # all three parts
-#   bash scripts/gpu_check.sh scale          # only the named parts
-# Results go to $OUT (default /tmp/gpu_check): gpu_check.md collects the figures; env.txt, tests.txt, bench.txt and
-# scale.log are the raw outputs. A part that fails or runs out of time leaves what it wrote and the next part runs.
+# The GPU check for the machine this project can be lent: one H200, no network, 64 MiB carried over, a Python with
+# torch 2.11, Lightning 2.6.6, transformers 5.17, tensorboard and torchmetrics, but no vLLM, bitsandbytes,
+# jsonargparse, datasets or math-verify. Two steps (docs/gpu_check.md says how to run them through the device tool):
+#
+#   bash scripts/gpu_check.sh prepare   on a machine with the package index: downloads the pure-Python wheels the
+#                                       GPU machine lacks (WHEELS below, at the versions installed here) into
+#                                       .whl/ (ignored by git, checked to stay under 64 MiB)
+#   bash scripts/gpu_check.sh run       on the GPU machine, from the repository root with .whl/ beside it: a venv over
+#                                       the system's packages, the wheels and this package installed --no-deps
+#                                       --no-index, then one Markdown report in $OUT/gpu_check.md, in about 8 minutes:
+#     tests    the cuda-marked tests (those needing vLLM or bitsandbytes skip, saying so)     limit TESTS_S=90 s
+#     fit      a 30-update tiny fit on the GPU through `python -m lit_gmc fit`               limit FIT_S=120 s
+#     learner  scripts/gpu_learner_check.py: one learner update of random Qwen3-1.7B and 4B-shaped models at
+#              8 x 5,120 tokens (bf16-mixed, fp32 masters, gradient checkpointing, torch fused AdamW): peak memory
+#              against scripts/memory_estimate.py, step time, MFU; HFEngine generation tokens/s    limit LEARNER_S=270 s
+#   bash scripts/gpu_check.sh run learner   only the named parts
+# WHEELS_DIR overrides .whl/. A part that fails or runs out of time leaves what it wrote and the next part runs.
 set -uo pipefail
-out="${OUT:-/tmp/gpu_check}"
-mkdir -p "$out"
-parts=" ${*:-tests bench scale} "
-report="$out/gpu_check.md"
-echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ), parts:${parts% }" > "$report"
+WHEELS="jsonargparse docstring-parser typeshed-client math-verify latex2sympy2_extended antlr4-python3-runtime
+rich markdown-it-py mdurl pygments pytest pluggy iniconfig exceptiongroup tomli setuptools"
+wheels="${WHEELS_DIR:-.whl}"
+limit_bytes=$((64 << 20))
 
-python - <<'PY' 2>&1 | tee "$out/env.txt"
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
-print([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-import vllm, transformers
-print("vllm", vllm.__version__, "transformers", transformers.__version__)
-import bitsandbytes
-print("bitsandbytes", bitsandbytes.__version__)
+prepare() {
+  rm -rf "$wheels" && mkdir -p "$wheels"
+  # Each at the version installed here (the one the tests ran with); absent here (exceptiongroup and tomli, needed
+  # by pytest on Python 3.10): the newest.
+  python - $WHEELS > "$wheels/requirements.txt" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for name in sys.argv[1:]:
+    try:
+        print(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        print(name)
 PY
-{ echo; echo '```'; cat "$out/env.txt"; echo '```'; } >> "$report"
+  # Pure-Python builds only (tomli, say, also ships compiled ones), good for Python 3.10 (the project's floor) on.
+  python -m pip download --quiet --no-deps --only-binary=:all: --platform any --implementation py --abi none \
+    --python-version 3.10 --dest "$wheels" -r "$wheels/requirements.txt" || exit 1
+  local size
+  size=$(du -sb "$wheels" | cut -f1)
+  ls "$wheels"
+  echo "$wheels: $size bytes"
+  if ((size >= limit_bytes)); then echo "$wheels is over 64 MiB: the device tool carries 64 MiB in all" >&2; exit 1; fi
+  if ls "$wheels"/*.whl | grep -v -- "-none-any.whl$"; then echo "the wheels above are not pure Python" >&2; exit 1; fi
+}
 
-if [[ $parts == *" tests "* ]]; then
-  timeout "${TESTS_S:-200}" python -m pytest tests/test_cuda_paths.py tests/test_precision.py \
-    tests/test_memory_estimate.py -m cuda -q -rA -p no:cacheprovider 2>&1 | tail -40 | tee "$out/tests.txt"
-  { echo; echo "## CUDA tests"; echo '```'; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$out/tests.txt"
-    echo '```'; } >> "$report"
-fi
+run() {
+  local out="${OUT:-/tmp/gpu_check}" parts=" ${*:-tests fit learner} "
+  local report="$out/gpu_check.md" venv="${VENV:-/tmp/lit_gmc_gpu_venv}"
+  mkdir -p "$out"
+  ls "$wheels"/*.whl > /dev/null \
+    || { echo "no wheels in $wheels: run 'bash scripts/gpu_check.sh prepare' first (and carry it)" >&2; exit 1; }
+  # Without ensurepip, a venv without pip still reaches the system's pip through the system site-packages.
+  { python -m venv --system-site-packages "$venv" || python -m venv --without-pip --system-site-packages "$venv"; } \
+    && . "$venv/bin/activate" || exit 1
+  { python -m pip install --quiet --no-index --no-deps "$wheels"/*.whl \
+      && python -m pip install --quiet --no-index --find-links "$wheels" --no-deps . ; } > "$out/install.txt" 2>&1 \
+    || { cat "$out/install.txt"; exit 1; }
+  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ), parts:${parts% }" > "$report"
+  python - > "$out/env.txt" 2>&1 <<'PY'
+import sys
+import torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+for name in ("lightning", "transformers", "jsonargparse", "torchmetrics", "vllm", "bitsandbytes", "datasets"):
+    try:
+        print(name, __import__(name).__version__)
+    except ImportError:
+        print(name, "absent")
+import lit_gmc.cli, lit_gmc.data.datamodule, lit_gmc.callbacks.evaluation  # the package imports as installed
+print("lit_gmc imports")
+PY
+  { echo; echo '```'; cat "$out/env.txt"; echo '```'; } >> "$report"
 
-if [[ $parts == *" bench "* ]]; then
-  timeout "${BENCH_S:-100}" python scripts/bench/bench_rollout.py --models tiny mid --engines hf vllm --repeats 2 2>&1 \
-    | grep -vE " (INFO|DEBUG|WARNING) " | tail -20 | tee "$out/bench.txt"
-  { echo; echo "## Rollout benchmark (scripts/bench/bench_rollout.py)"; echo '```'; cat "$out/bench.txt"; echo '```'; } \
-    >> "$report"
-fi
+  if [[ $parts == *" tests "* ]]; then
+    timeout "${TESTS_S:-90}" python -m pytest tests/test_cuda_paths.py tests/test_precision.py \
+      tests/test_memory_estimate.py tests/test_diagnostics.py tests/test_hf_engine.py -m cuda -q -rA \
+      -p no:cacheprovider > "$out/tests.txt" 2>&1
+    { echo; echo "## CUDA tests"; echo '```'
+      grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$out/tests.txt"
+      echo '```'; } >> "$report"
+  fi
 
-if [[ $parts == *" scale "* ]]; then
-  # The script appends its rows to the report as it measures them, so a timeout keeps the updates already done.
-  timeout "${SCALE_S:-240}" python scripts/gpu_scale_check.py --out "$report" --completion-tokens 2048 --steps 3 \
-    > "$out/scale.log" 2>&1 || { rc=$?; echo; echo "gpu_scale_check.py stopped with status $rc (124: time limit;" \
-      "see scale.log):"; echo '```'; tail -15 "$out/scale.log"; echo '```'; } >> "$report"
-  { echo; echo "### Learner memory estimated for the same lengths (scripts/memory_estimate.py)"; echo
-    python scripts/memory_estimate.py --models 1.7B --completion-tokens 2048 --fsdp; } >> "$report" 2>&1
-fi
-cat "$report"
+  if [[ $parts == *" fit "* ]]; then
+    local start=$SECONDS
+    timeout "${FIT_S:-120}" python -m lit_gmc fit --trainer.accelerator gpu --trainer.max_steps 30 \
+      --trainer.logger.init_args.save_dir "$out/runs" --trainer.enable_progress_bar false > "$out/fit.txt" 2>&1
+    local rc=$?
+    { echo; echo "## Tiny fit on the GPU (python -m lit_gmc fit, 30 updates): status $rc, $((SECONDS - start)) s"
+      echo '```'; python - "$out/runs" <<'PY'
+import sys
+from pathlib import Path
+from lit_gmc.tblog import read_scalars
+folders = sorted(Path(sys.argv[1]).rglob("version_*"))
+scalars = read_scalars(folders[-1]) if folders else {}
+for tag in ("train/reward", "train/loss", "diag/gap/token_abs_max", "mismatch/abs_max"):
+    values = [v for _, v in scalars.get(tag, [])]
+    print(tag, f"{len(values)} updates, first {values[0]:.4g}, last {values[-1]:.4g}" if values else "not logged")
+PY
+      tail -5 "$out/fit.txt"; echo '```'; } >> "$report" 2>&1
+  fi
+
+  if [[ $parts == *" learner "* ]]; then
+    # The script appends one row per model as soon as it is measured, so a timeout keeps the rows already done.
+    timeout "${LEARNER_S:-270}" python scripts/gpu_learner_check.py --out "$report" > "$out/learner.log" 2>&1 \
+      || { rc=$?; echo; echo "gpu_learner_check.py stopped with status $rc (124: time limit; see learner.log):"
+           echo '```'; tail -15 "$out/learner.log"; echo '```'; } >> "$report"
+  fi
+  cat "$report"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: bash scripts/gpu_check.sh prepare | run [tests] [fit] [learner]" >&2; exit 2 ;;
+esac

@@ -84,7 +84,7 @@ def start_engine(args: argparse.Namespace, folder: Path, tokenizer):
     from lit_gmc.data.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(
-        layout="colocated", sleep_between_rollouts=args.accelerator == "gpu", dtype=args.engine_dtype,
+        sleep_between_rollouts=args.accelerator == "gpu", dtype=args.engine_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.prompt_tokens + args.completion_tokens,
         kv_cache_memory_bytes=None if args.accelerator == "gpu" else 256 << 20,
     )  # fmt: skip

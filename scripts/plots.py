@@ -5,19 +5,21 @@ TensorBoard scalars (``lit_gmc.tblog.read_scalars``) and its ``eval/step_<n>.jso
 ``lit_gmc.callbacks.evaluation``: ``{"step", "benchmarks": {name: {"greedy", "avg@n", "n", "pass@k"...}}}``).
 Runs not marked done in the manifest are left out and listed. Outputs:
 
-- ``fig2_pass_at_1``: sampled pass@1 (avg@n) on the held-out prompts vs checkpoint, one panel per delay,
-  one line per method (mean over seeds, band = one standard deviation); the paper's Figures 2/3.
+- ``fig2_pass_at_1``: sampled pass@1 (avg@n, macro over the run's evaluation suites) vs checkpoint, one panel per
+  delay, one line per method (mean over seeds, band = one standard deviation); the tiny study's analogue of the
+  paper's Figures 2/3 (those, on MATH-500, come from ``scripts/tables.py``).
 - ``fig4_entropy``: token entropy per update, faint raw and solid centred rolling mean (window 25), a dashed
   line where the delay queue starts draining, one panel per delay; the paper's Figure 4.
 - ``fig5_reward_by_group_size``: training reward (centred rolling mean) for each group size G at the delay
   of the group-size runs; the paper's Figure 5.
 - ``tables.md``: Markdown tables, "greedy / avg@n" in percent, mean ± std over seeds: held-out accuracy and
   final training reward by method and delay (Table 1), the corrections' diagnostics by method and delay
-  (Table 2), by group size (Table 3), and constant vs Corollary-1 threshold at the largest delay (Table 4).
+  (Table 2), by group size (Table 3), and constant vs Corollary-1 threshold at the largest delay (Table 4). These
+  numbers are this study's own, not the paper's: its Tables 1, 3, 4 and 5 are ``scripts/tables.py``'s.
   ``--doc FILE`` also replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE
   (``NAME`` from ``--block``, default ``tables``).
 
-The paper's per-benchmark tables (Tables 1, 3 and 5) and the A-3PO figure (Figure 6) come from the sibling
+The paper's tables (Tables 1, 3, 4 and 5) and figures (Figures 2/3 on MATH-500, Figure 6) come from the sibling
 ``scripts/tables.py``, which loads runs with :func:`load_sweep` or, for runs launched directly with
 ``python -m lit_gmc fit`` (one logger folder per run, ``version_*`` folders for its resumptions), with
 :func:`load_run_folders` (their ``config.yaml`` gives the parameters; see :func:`run_parameters`).

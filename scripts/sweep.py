@@ -15,6 +15,8 @@ with a different config is an error rather than a silent mix. Examples::
         --max-steps 400 --checkpoint-every 100 --parallel 2
     python scripts/sweep.py run --out runs/study --methods gmc --delays 128 --seeds 0 1 2 --max-steps 400 \
         --checkpoint-every 100 --eps-schedule corollary1
+    python scripts/sweep.py run --out runs/fixed --methods gmc tic grpo --delays 0 32 128 --seeds 0 --max-steps 400 \
+        --checkpoint-every 100 --aggregation seq_sum_over_T    # one aggregation for every rule, as the paper's suites
     python scripts/sweep.py evaluate runs/study/runs/gmc-d128-g8-s0     # (re)evaluate one run's checkpoints
 """
 
@@ -57,12 +59,15 @@ class RunSpec:
     eps_schedule: str = "constant"
     tag: str = ""
     overrides: dict[str, Any] = field(default_factory=dict)
+    aggregation: str | None = None  # None: each rule's own (its authors')
 
     @property
     def name(self) -> str:
         parts = [self.method, f"d{self.delay}", f"g{self.group_size}", f"s{self.seed}"]
         if self.eps_schedule != "constant":
             parts.append(self.eps_schedule)
+        if self.aggregation is not None:
+            parts.append(self.aggregation)
         if self.tag:
             parts.append(self.tag)
         return "-".join(parts)
@@ -72,7 +77,18 @@ def expand_grid(args: argparse.Namespace) -> list[RunSpec]:
     """Every combination of the grid's axes, in a stable order (method, delay, G, seed)."""
     overrides = dict(parse_override(item) for item in args.set)
     return [
-        RunSpec(m.lower(), d, g, s, args.max_steps, args.checkpoint_every, args.eps_schedule, args.tag, overrides)
+        RunSpec(
+            m.lower(),
+            d,
+            g,
+            s,
+            args.max_steps,
+            args.checkpoint_every,
+            args.eps_schedule,
+            args.tag,
+            overrides,
+            args.aggregation,
+        )
         for m, d, g, s in itertools.product(args.methods, args.delays, args.group_sizes, args.seeds)
     ]
 
@@ -83,6 +99,16 @@ def rule_class_path(method: str) -> str:
 
     names = {name.lower(): name for name in rules}
     return f"lit_gmc.rules.{names[method.lower()]}"
+
+
+def rule_options(spec: RunSpec) -> dict[str, Any]:
+    """The rule's init args the grid sets: GMC's cap schedule and the aggregation, when not their defaults."""
+    options: dict[str, Any] = {}
+    if spec.eps_schedule != "constant":
+        options["cap_schedule"] = spec.eps_schedule
+    if spec.aggregation is not None:
+        options["aggregation"] = spec.aggregation
+    return options
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -133,10 +159,9 @@ def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         },
         "checkpoint": {"dirpath": str(run_dir / "checkpoints"), "every_n_train_steps": spec.checkpoint_every,
                        "save_last": True, "save_top_k": -1},
-        # The rule's own options at their defaults (GRPO: clip 0.2, seq-mean-token-mean), GMC's cap schedule if asked.
-        "model": {"correction": {"class_path": rule_class_path(spec.method),
-                                 "init_args": {"cap_schedule": spec.eps_schedule} if spec.eps_schedule != "constant"
-                                 else {}}},
+        # The rule's own options at their defaults (GRPO: clip 0.2, seq-mean-token-mean) unless --aggregation holds
+        # the aggregation fixed across rules; GMC's cap schedule if asked.
+        "model": {"correction": {"class_path": rule_class_path(spec.method), "init_args": rule_options(spec)}},
         "data": {"schedule": suite_schedule(spec.delay), "group_size": spec.group_size, "seed": spec.seed},
     }  # fmt: skip
     for key, value in spec.overrides.items():
@@ -355,6 +380,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="constant",
         choices=["constant", "corollary1"],
         help="GMC's --model.correction.cap_schedule (GMC only)",
+    )
+    grid.add_argument(
+        "--aggregation",
+        default=None,
+        choices=["seq_sum_over_T", "token_mean", "seq_mean_token_mean"],
+        help="one loss aggregation for every rule (the paper's suites: seq_sum_over_T, 1/(T B G)); unset: each rule's "
+        "authors' (added to the run names when set)",
     )
     grid.add_argument("--tag", default="", help="suffix of the run names (for variants made with --set)")
     grid.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -1,4 +1,4 @@
-"""The paper's per-benchmark tables and its A-3PO figure, from runs' TensorBoard logs and evaluation JSONs.
+"""The paper's Tables 1, 3, 4 and 5 and Figures 2/3 and 6, from runs' TensorBoard logs and evaluation JSONs.
 
 Runs come from a sweep (``--sweep``: ``scripts/plots.py``'s :func:`load_sweep` reads the manifest of
 ``scripts/sweep.py``, each run's TensorBoard scalars and its ``eval/step_<n>.json`` files; runs not marked done
@@ -26,30 +26,45 @@ Outputs in ``--out``:
     OlympiadBench, Minerva, AMC23; any other benchmark after them, by name), their macro average (unweighted
     mean over the benchmarks) and the average delay: the mean over updates of the per-update ``delay/mean``
     (when a run lacks it, the last ``delay/running_mean``, the same number when DelayAccounting is on).
-  - **Table 3, pass@k columns** (one per model group): unbiased pass@k for k in {1, 2, 4, 8, 16}, a row per
-    method and k, a column per benchmark and a macro average. A benchmark sampled fewer than k times has no
-    pass@k ("–"), and the macro average is given only where every benchmark has that k.
-  - **Table 5**: A-3PO against GMC and every other method present, per model: the macro-average
-    "greedy / avg@n" at the final checkpoint, a column per model group.
+  - **Table 3** (one per model group), for the fixed-delay suite (runs with a fixed delay D; ``Sync`` is D = 0):
+    a row per delay and method at the most common G (other sizes are Table 4's), after ``Base (no RL)``, the
+    step-0 evaluation (identical evaluations of the same base model counted once); columns Greedy and unbiased
+    pass@k for k in {1, 2, 4, 8, 16} on MATH-500 at the final evaluated checkpoint.
+  - **Table 4** (one per model group), the group-size study: at the delay where several group sizes G were run
+    (the paper: G in {4, 8, 32} at D = 128), a row per method and G, a column per evaluated checkpoint (the
+    paper: 200/300/400/800) with MATH-500 "greedy / avg@n", and for G other than 8 the difference of the seed
+    means from G = 8 at that checkpoint, in points.
+  - **Table 5**: A-3PO against GMC, a row per model and method: "greedy / avg@n" per benchmark at the final
+    checkpoint, the macro average and the average delay (as Table 1).
 
+- ``fig2_3_math500_pass_at_1`` (PNG + PDF; ``_<model>`` added when there are several models): MATH-500 pass@1
+  (avg@n) against checkpoint, one panel per delay D, one line per method (seed mean, band = one standard
+  deviation), the step-0 evaluation included: the paper's Figures 2 and 3.
 - ``fig6_a3po_reward`` (PNG + PDF): training reward per update (``train/reward``), centred rolling mean over
   25 updates of the seed mean, one line per method, one panel per model group, A-3PO drawn thick in red so that
   its collapse stands out; a second row shows token entropy (``diag/entropy/mean``) the same way when the runs
   logged it.
 
-Interpretation: the paper's text was not available when this was written. Table 5 and Figure 6 are built as
-above (Table 5 per model size; Figure 6 reward, and entropy when present, against updates) from what the paper's
-captions say they show: A-3PO against GMC per model size, and A-3PO's collapse over training. ``--doc FILE``
-replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE (``NAME`` from
-``--block``, default ``paper_tables``). Example::
+A cell is the mean ± std over the row's seeds (a bare mean for one seed), in percent; "–" where no run has it.
+
+Interpretation: the paper's text is not on this machine. The layouts follow the descriptions in DESIGN.md and
+issue 27 (Table 3: rows Delay x Method plus "Base (no RL)", columns Greedy and pass@1..16 on MATH-500; Table 4:
+G in {4, 8, 32} at D = 128, greedy and avg@16 at 200/300/400/800 with deltas; Table 5: per-benchmark cells plus
+the average delay; Figures 2/3: MATH-500 pass@1 against checkpoint, per delay). Three details are guesses, and
+the captions say so: Table 4's deltas are taken against G = 8, Table 5 keeps only A-3PO and GMC, and Figures 2
+and 3 are drawn as one figure with a panel per delay (which delays the paper puts in which figure is not known
+here). ``--doc FILE`` replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE
+(``NAME`` from ``--block``, default ``paper_tables``). Example::
 
     python scripts/tables.py --sweep runs/study --out docs/figures/study
     python scripts/tables.py --runs-root runs/simulated_async --out docs/figures/qwen3
+    python scripts/tables.py --runs-root runs/fixed_delay_d* runs/group_size_g* --out docs/figures/fixed_delay
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -73,10 +88,14 @@ from plots import (  # noqa: E402
     cell,
     eval_summary,
     group,
+    group_size_delay,
     load_sources,
+    main_group_size,
     markdown_table,
+    panels,
     save,
     seed_mean,
+    seeds,
     write_outputs,
 )
 
@@ -172,77 +191,163 @@ def final_steps(runs: list[Run]) -> str:
     return ", ".join(str(s) for s in sorted({max(r.evals) for r in runs if r.evals})) or "none"
 
 
+def benchmark_row(label: str, members: list[Run], columns: list[str]) -> list[str]:
+    """Label, seeds, "greedy / avg@n" per benchmark, macro average and average delay of one row's runs."""
+    row = [label, str(len(members))]
+    for name in columns:
+        entries = [final_benchmarks(r)[name] for r in members if name in final_benchmarks(r)]
+        row.append(pair([e["greedy"] for e in entries], [e["avg@n"] for e in entries]))
+    delays = [d for d in map(average_delay, members) if d is not None]
+    return row + [macro_pair(members), cell(delays, scale=1.0)]
+
+
 def table1(runs: list[Run], suffix: str) -> str:
     """Per-benchmark accuracy, macro average and average delay of one model group (module docstring)."""
     columns = benchmark_columns(runs)
     header = ["method", "seeds", *column_titles(runs, columns), "macro average", "avg. delay"]
-    rows = []
-    for label, members in method_rows(runs).items():
-        row = [label, str(len(members))]
-        for name in columns:
-            entries = [final_benchmarks(r)[name] for r in members if name in final_benchmarks(r)]
-            row.append(pair([e["greedy"] for e in entries], [e["avg@n"] for e in entries]))
-        delays = [d for d in map(average_delay, members) if d is not None]
-        rows.append(row + [macro_pair(members), cell(delays, scale=1.0)])
+    rows = [benchmark_row(label, members, columns) for label, members in method_rows(runs).items()]
     caption = (f"**Table 1{suffix}.** Accuracy at the final evaluated checkpoint (update {final_steps(runs)}), "
                "greedy / avg@n (%), mean ± std over seeds; macro average over the benchmarks; average delay "
                "(mean of `delay/mean` over updates).\n")  # fmt: skip
     return caption + "\n" + markdown_table(header, rows)
 
 
-def pass_at_k_cell(members: list[Run], columns: list[str], name: str | None, k: int) -> str:
-    """pass@k of one benchmark (``name``), or the macro average over ``columns`` (``None``), in percent."""
-    key, values = f"pass@{k}", []
-    for run in members:
-        benches = final_benchmarks(run)
-        wanted = [benches.get(c, {}) for c in ([name] if name else columns)]
-        if all(key in b for b in wanted):  # a macro average over fewer benchmarks would not compare
-            values.append(statistics.fmean(b[key] for b in wanted))
-    return cell(values)
+MATH500 = "math500"
+"""The benchmark of the fixed-delay suite (Table 3, Figures 2/3) and of the group-size study (Table 4)."""
+REFERENCE_G = 8
+"""Table 4's deltas are taken against this group size (the paper's default G)."""
 
 
-def table3(runs: list[Run], suffix: str) -> str:
-    """pass@k per benchmark and method of one model group (module docstring)."""
-    columns = benchmark_columns(runs)
-    logged = {key for r in runs for b in final_benchmarks(r).values() for key in b if key.startswith("pass@")}
+def fixed_delay_runs(runs: list[Run]) -> list[Run]:
+    """Runs with a fixed delay D (``FixedDelay``, and ``Sync`` as D = 0); a sweep's runs always have one."""
+    return [r for r in runs if r.delay is not None]
+
+
+def math500_at(run: Run, step: int) -> dict | None:
+    """The run's MATH-500 entry at ``step`` (None when that step or benchmark was not evaluated)."""
+    return run.evals.get(step, {}).get("benchmarks", {}).get(MATH500)
+
+
+def math500_final(run: Run) -> dict | None:
+    """The MATH-500 entry of the run's last evaluated checkpoint."""
+    return math500_at(run, max(run.evals)) if run.evals else None
+
+
+def base_entries(runs: list[Run]) -> list[dict]:
+    """MATH-500 entries of the step-0 evaluations: the base model before any update.
+
+    Every run of a suite starts from the same weights and evaluates with the same seed, so their step-0 entries
+    are equal; identical ones count once (a spread would otherwise claim seeds that are not there).
+    """
+    unique = {}
+    for entry in filter(None, (math500_at(r, 0) for r in runs)):
+        unique.setdefault(json.dumps(entry, sort_keys=True), entry)
+    return list(unique.values())
+
+
+def math500_cells(entries: list[dict], ks: list[int]) -> list[str]:
+    """Greedy and pass@k cells of MATH-500 entries (one per seed)."""
+    cells = [cell([e["greedy"] for e in entries])]
+    for k in ks:  # every seed must have the k, or the mean would mix seeds
+        values = [e[f"pass@{k}"] for e in entries if f"pass@{k}" in e]
+        cells.append(cell(values) if len(values) == len(entries) else "–")
+    return cells
+
+
+def table3(runs: list[Run], suffix: str) -> str | None:
+    """Greedy and pass@k on MATH-500 by delay and method, plus the base model (module docstring)."""
+    evaluated = [r for r in fixed_delay_runs(runs) if math500_final(r)]
+    if not evaluated:
+        return None
+    fixed = [r for r in evaluated if r.group_size == main_group_size(evaluated)]  # other G: Table 4
+    logged = {key for r in fixed for key in math500_final(r) if key.startswith("pass@")}
     ks = [k for k in PAPER_KS if f"pass@{k}" in logged]
-    header = ["method", "k", *column_titles(runs, columns), "macro average"]
-    rows = []
-    for label, members in method_rows(runs).items():
-        for k in ks:
-            cells = [pass_at_k_cell(members, columns, name, k) for name in [*columns, None]]
-            rows.append([label, str(k), *cells])
-    caption = (
-        f"**Table 3{suffix}, pass@k.** Unbiased pass@k (%) at the final evaluated checkpoint (update "
-        f"{final_steps(runs)}), mean ± std over seeds; – where a benchmark has fewer than k samples.\n"
-    )
+    header = ["D", "method", "seeds", "Greedy", *(f"pass@{k}" for k in ks)]
+    base = base_entries(evaluated)
+    rows = [["–", "Base (no RL)", "–", *math500_cells(base, ks)]] if base else []
+    for d in sorted({r.delay for r in fixed}):
+        for label, members in group(fixed, delay=d).items():
+            rows.append([str(d), label, str(len(members)), *math500_cells([math500_final(r) for r in members], ks)])
+    caption = (f"**Table 3{suffix}.** MATH-500: greedy accuracy and unbiased pass@k (%) at the final evaluated "
+               f"checkpoint (update {final_steps(fixed)}), by delay D (D = 0: synchronous, 4 inner steps) and "
+               "method, mean ± std over seeds; Base (no RL): the step-0 evaluation.\n")  # fmt: skip
     return caption + "\n" + markdown_table(header, rows)
 
 
-def table5(runs: list[Run]) -> str:
-    """Macro-average accuracy of every method (A-3PO and GMC among them) for each model group."""
-    groups = model_groups(runs)
-    header = ["method", *(model_name(m) for m in groups)]
-    rows = [[label, *(macro_pair(method_rows(members).get(label, [])) for members in groups.values())]
-            for label in method_rows(runs)]  # fmt: skip
-    caption = (
-        "**Table 5.** A-3PO against GMC and the other methods by model: macro-average greedy / avg@n (%) "
-        "over the benchmarks at the final evaluated checkpoint, mean ± std over seeds.\n"
-    )
+def entries_at(runs: list[Run], step: int) -> list[dict]:
+    """MATH-500 entries of the runs evaluated at ``step`` (one per run)."""
+    return [e for e in (math500_at(r, step) for r in runs) if e]
+
+
+def seed_pair(entries: list[dict]) -> tuple[float, float] | None:
+    """Seed means of greedy and avg@n, for deltas."""
+    if not entries:
+        return None
+    return statistics.fmean(e["greedy"] for e in entries), statistics.fmean(e["avg@n"] for e in entries)
+
+
+def table4(runs: list[Run], suffix: str) -> str | None:
+    """MATH-500 greedy / avg@n per checkpoint by method and group size, with deltas from G = 8 (module docstring)."""
+    fixed = fixed_delay_runs(runs)
+    delay = group_size_delay(fixed)
+    if delay is None:
+        return None
+    at = [r for r in fixed if r.delay == delay and r.eps_schedule == "constant"]
+    sizes = sorted({r.group_size for r in at})
+    steps = sorted({s for r in at for s in r.evals if s > 0 and math500_at(r, s)})
+    n = {math500_at(r, s)["n"] for r in at for s in steps}
+    avg_n = f"avg@{n.pop()}" if len(n) == 1 else "avg@n"
+    header = ["method", "G", "seeds", *(f"update {s}" for s in steps)]
+    rows = []
+    for label, members in group(at).items():
+        for g in sizes:
+            mine = [r for r in members if r.group_size == g]
+            if not mine:
+                continue
+            row = [label, str(g), str(len(mine))]
+            for step in steps:
+                entries = entries_at(mine, step)
+                text = pair([e["greedy"] for e in entries], [e["avg@n"] for e in entries])
+                ours = seed_pair(entries)
+                ref = seed_pair(entries_at([r for r in members if r.group_size == REFERENCE_G], step))
+                if g != REFERENCE_G and ours and ref:
+                    text += f" (Δ {100 * (ours[0] - ref[0]):+.1f} / {100 * (ours[1] - ref[1]):+.1f})"
+                row.append(text)
+            rows.append(row)
+    caption = (f"**Table 4{suffix}.** Group size G at delay D = {delay}: MATH-500 greedy / {avg_n} (%) at each "
+               f"checkpoint, mean ± std over seeds; Δ: difference of the seed means from G = {REFERENCE_G}, in "
+               "points (the paper's deltas are read as against G = 8; its text is not on this machine).\n")  # fmt: skip
+    return caption + "\n" + markdown_table(header, rows)
+
+
+def table5(runs: list[Run]) -> str | None:
+    """A-3PO and GMC per model: per-benchmark cells, macro average and average delay (module docstring)."""
+    compared = [r for r in runs if r.method in ("a3po", "gmc")]
+    if not any(r.method == "a3po" for r in compared):
+        return None
+    columns = benchmark_columns(compared)
+    header = ["model", "method", "seeds", *column_titles(compared, columns), "macro average", "avg. delay"]
+    rows = []
+    for model, members in model_groups(compared).items():
+        for label, at in method_rows(members).items():
+            rows.append([model_name(model), *benchmark_row(label, at, columns)])
+    caption = ("**Table 5.** A-3PO against GMC by model: greedy / avg@n (%) per benchmark at the final evaluated "
+               f"checkpoint (update {final_steps(compared)}), macro average and average delay, mean ± std over "
+               "seeds (the other methods are in Table 1).\n")  # fmt: skip
     return caption + "\n" + markdown_table(header, rows)
 
 
 def tables(runs: list[Run], missing: list[str]) -> str:
-    """Tables 1, 3 (pass@k) and 5 in Markdown."""
+    """Tables 1, 3, 4 and 5 in Markdown (those the runs have data for)."""
     groups = model_groups(runs)
     parts = []
     for model, members in groups.items():
         suffix = f" ({model_name(model)})" if len(groups) > 1 else ""
-        parts += [table1(members, suffix), table3(members, suffix)]
+        parts += [table1(members, suffix), table3(members, suffix), table4(members, suffix)]
     parts.append(table5(runs))
     if missing:
         parts.append(f"Not finished (left out): {', '.join(missing)}.")
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def method_colours(runs: list[Run]) -> dict[str, str]:
@@ -285,8 +390,41 @@ def figure_a3po(runs: list[Run], out: Path) -> list[Path]:
     return save(fig, out, "fig6_a3po_reward")
 
 
+def pass_at_1(entry: dict) -> float:
+    """pass@1 of a benchmark entry; avg@n is the same number when the file predates pass@k."""
+    return entry.get("pass@1", entry["avg@n"])
+
+
+def math500_curve(runs: list[Run]) -> tuple[list[int], list[float], list[float]]:
+    """MATH-500 pass@1 against checkpoint: seed mean and std at the steps every run evaluated."""
+    return seed_mean([[(s, pass_at_1(math500_at(r, s))) for s in sorted(r.evals) if math500_at(r, s)] for r in runs])
+
+
+def figure_math500(runs: list[Run], out: Path) -> list[Path]:
+    """Figures 2/3: MATH-500 pass@1 against checkpoint, a panel per delay, per model group (module docstring)."""
+    evaluated = [r for r in fixed_delay_runs(runs) if any(math500_at(r, s) for s in r.evals)]
+    fixed = [r for r in evaluated if r.group_size == main_group_size(evaluated)] if evaluated else []
+    groups, written = model_groups(fixed), []
+    for model, members in groups.items():
+        delays = sorted({r.delay for r in members})
+        fig, axes = panels(len(delays), f"MATH-500 pass@1 vs checkpoint ({model_name(model)})")
+        for ax, delay in zip(axes, delays, strict=True):
+            for label, at in group(members, delay=delay).items():
+                steps, mean, std = math500_curve(at)
+                line = ax.plot(steps, [100 * m for m in mean], marker="o", label=f"{label} ({seeds(len(at))})")[0]
+                ax.fill_between(steps, [100 * (m - e) for m, e in zip(mean, std, strict=True)],
+                                [100 * (m + e) for m, e in zip(mean, std, strict=True)], color=line.get_color(),
+                                alpha=0.15)  # fmt: skip
+            ax.set(title=f"D = {delay}", xlabel="update (checkpoint)")
+            ax.legend(fontsize=7)
+        axes[0].set_ylabel("MATH-500 pass@1 (%)")
+        stem = "fig2_3_math500_pass_at_1" + (f"_{model_name(model)}" if len(groups) > 1 else "")
+        written += save(fig, out, stem)
+    return written
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
-    """Write ``paper_tables.md`` and Figure 6 for a sweep and/or run folders; returns the paths written."""
+    """Write ``paper_tables.md``, Figures 2/3 and 6 for a sweep and/or run folders; returns the paths written."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_sources(parser)
     parser.add_argument("--out", required=True, help="folder for the figure and paper_tables.md")
@@ -295,7 +433,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
     runs, missing = load_sources(parser, args)
     out = Path(args.out)
-    written = figure_a3po(runs, out)
+    written = figure_math500(runs, out) + figure_a3po(runs, out)
     return write_outputs(out, "paper_tables.md", tables(runs, missing), written, args.doc, args.block)
 
 

@@ -120,6 +120,15 @@ def test_step_scalars_match_direct_formulas():
         "corr/delay_vs_length": np.corrcoef(stats["delays"].double().numpy(), lengths)[0, 1],
         "drain/active": 0.0,
     }  # fmt: skip
+    fresh = stats["delays"].numpy() == 0  # the engine/learner gap, on the rows the current weights generated
+    fresh_groups = fresh.reshape(B, G).all(-1)
+    want["gap/on_policy_rows"] = fresh.sum()
+    if fresh.any():
+        want.update({"gap/seq_abs_mean": np.abs(lr[fresh]).mean(), "gap/seq_abs_max": np.abs(lr[fresh]).max()})
+    if fresh_groups.any():
+        want["gap/gmc_rescaled_group_fraction"] = (bar[fresh_groups] > math.log1p(0.28)).mean()
+        dropped = (lr > math.log1p(0.28)).reshape(B, G).any(-1)
+        want["gap/tic_dropped_group_fraction"] = dropped[fresh_groups].mean()
     assert set(got) == set(want)
     for key, value in want.items():
         assert got[key] == pytest.approx(float(value), rel=1e-6, abs=1e-6), key

@@ -48,6 +48,15 @@ def test_run_config_sets_the_axes_and_keeps_rule_defaults(tmp_path):
     assert config["checkpoint"]["dirpath"] == str(tmp_path / "checkpoints")
 
 
+def test_aggregation_held_fixed_across_rules_is_in_every_config_and_name(tmp_path):
+    args = grid_args("--methods", "grpo", "a3po", "--delays", "8", "--seeds", "0", "--aggregation", "seq_sum_over_T")
+    specs = sweep.expand_grid(args)
+    assert [s.name for s in specs] == ["grpo-d8-g8-s0-seq_sum_over_T", "a3po-d8-g8-s0-seq_sum_over_T"]
+    for spec, rule in zip(specs, ("GRPO", "A3PO"), strict=True):
+        correction = sweep.run_config(spec, tmp_path)["model"]["correction"]
+        assert correction == {"class_path": f"lit_gmc.rules.{rule}", "init_args": {"aggregation": "seq_sum_over_T"}}
+
+
 def test_d0_is_the_papers_synchronous_protocol(tmp_path):
     """D = 0 of the fixed-delay suite is Algorithm 1 with 4 inner steps, not one on-policy update per batch."""
     (spec,) = sweep.expand_grid(grid_args("--methods", "gmc", "--delays", "0", "--seeds", "0"))

@@ -1,4 +1,4 @@
-"""scripts/tables.py: the paper's Tables 1, 3 (pass@k) and 5 and Figure 6 from a synthetic simulated-async suite.
+"""scripts/tables.py: the paper's Tables 1, 3 and 5 and Figure 6 from a synthetic simulated-async suite.
 
 Every run writes real TensorBoard event files and eval JSONs whose values are simple functions of (method,
 model, seed, benchmark, step), so each table cell can be checked against numbers worked out by hand.
@@ -147,31 +147,33 @@ def test_table1_of_the_small_model_has_only_its_methods(text):
     assert text.index("**Table 1 (Qwen3-1.7B-Base).**") < text.index("**Table 1 (Qwen3-8B-Base).**")
 
 
-def test_table3_pass_at_k(text):
-    header, rows = table_rows(text, "**Table 3 (Qwen3-8B-Base), pass@k.**", key_cells=2)
-    assert header[:3] == ["method", "k", "MATH-500 (n = 16)"] and header[-1] == "macro average"
-    assert [k for m, k in rows if m == "GMC"] == ["1", "2", "4", "8", "16"]
-    # by hand: GMC MATH-500 avg@16 0.46 / 0.48, pass@4 adds 0.08: 0.54 / 0.56
-    assert rows[("GMC", "4")][0] == "55.0 ± 1.4"
-    # pass@1 is avg@n; macro pass@8 = macro avg (0.485, 0.505) + 0.12
-    assert rows[("GMC", "1")][6] == "49.5 ± 1.4" and rows[("GMC", "8")][6] == "61.5 ± 1.4"
-    # n = 8 benchmarks have no pass@16, so neither has the macro average; n = 16 ones do
-    assert rows[("GMC", "16")][1] == "–" and rows[("GMC", "16")][6] == "–"
-    assert rows[("TIC", "16")][0] == "54.0"  # 0.32 + 0.1 + 0.06 - 0.1 + 4 doublings x 0.04
-    for col, bench in enumerate(ORDER):
-        for k in (1, 2, 4, 8):
-            want = [pass_of("a3po", LARGE, s, bench, 60, k) for s in range(2)]
-            assert rows[("A-3PO", str(k))][col] == spread(want), (bench, k)
+def test_table3_greedy_and_pass_at_k_on_math500(text):
+    header, rows = table_rows(text, "**Table 3 (Qwen3-8B-Base).**", key_cells=2)
+    assert header == ["D", "method", "seeds", "Greedy", "pass@1", "pass@2", "pass@4", "pass@8", "pass@16"]
+    # the sweep's runs have no fixed delay field: D = 0; Base first, then the methods in order
+    assert list(rows) == [("–", "Base (no RL)")] + [("0", LABEL[m]) for m in BASE]
+    # by hand: GMC 8B MATH-500 at update 60, seeds 0 and 1: greedy 0.56 / 0.58, avg@16 0.1 lower, +0.04 a doubling
+    assert rows[("0", "GMC")] == ["2", "57.0 ± 1.4", "47.0 ± 1.4", "51.0 ± 1.4", "55.0 ± 1.4", "59.0 ± 1.4",
+                                  "63.0 ± 1.4"]  # fmt: skip
+    assert rows[("0", "TIC")][:3] == ["1", "48.0", "38.0"]  # 0.32 + 0.1 + 0.06
+    # Base: the step-0 MATH-500 entries, each distinct one once (here every run's differs: 8 values)
+    base = [greedy_of(m, LARGE, s, "math500", 0) for m in BASE for s in seeds_of(LARGE, m)]
+    assert rows[("–", "Base (no RL)")][:2] == ["–", spread(base)]
+    assert "Table 3 (Qwen3-1.7B-Base)" in text
 
 
-def test_table5_macro_by_model(text):
-    header, rows = table_rows(text, "**Table 5.**")
-    assert header == ["method", "Qwen3-1.7B-Base", "Qwen3-8B-Base"]
-    assert list(rows) == ["GRPO", "TIC", "VCPO", "GAC", "A-3PO", "GMC"]
-    # by hand: A-3PO 0.20 + 0.025 + 0.06 (+ 0.02) greedy, 0.1 less sampled; 8B adds 0.1
-    assert rows["A-3PO"] == ["29.5 ± 1.4 / 19.5 ± 1.4", "39.5 ± 1.4 / 29.5 ± 1.4"]
-    assert rows["GMC"] == ["49.5 ± 1.4 / 39.5 ± 1.4", "59.5 ± 1.4 / 49.5 ± 1.4"]
-    assert rows["TIC"] == ["–", "50.5 / 40.5"]  # no 1.7B TIC run
+def test_table5_per_benchmark_a3po_against_gmc(text):
+    header, rows = table_rows(text, "**Table 5.**", key_cells=2)
+    assert header == ["model", "method", "seeds", "MATH-500 (n = 16)", "GSM8K (n = 8)", "Gaokao2023-En (n = 8)",
+                      "OlympiadBench (n = 8)", "Minerva (n = 16)", "AMC23 (n = 16)", "macro average",
+                      "avg. delay"]  # fmt: skip
+    assert list(rows) == [("Qwen3-1.7B-Base", "A-3PO"), ("Qwen3-1.7B-Base", "GMC"), ("Qwen3-8B-Base", "A-3PO"),
+                          ("Qwen3-8B-Base", "GMC")]  # fmt: skip
+    # by hand: A-3PO 1.7B MATH-500 0.20 + 0.06 (+ 0.02 seed 1), macro + 0.025; 8B adds 0.1; delays 11.5 + seed
+    assert rows[("Qwen3-1.7B-Base", "A-3PO")][:2] == ["2", "27.0 ± 1.4 / 17.0 ± 1.4"]
+    assert rows[("Qwen3-1.7B-Base", "A-3PO")][-2:] == ["29.5 ± 1.4 / 19.5 ± 1.4", "12.0 ± 0.7"]
+    assert rows[("Qwen3-8B-Base", "GMC")][-2:] == ["59.5 ± 1.4 / 49.5 ± 1.4", "12.0 ± 0.7"]
+    assert rows[("Qwen3-8B-Base", "GMC")][6] == "62.0 ± 1.4 / 52.0 ± 1.4"  # AMC23: + 0.05
     assert text.rstrip().endswith("Not finished (left out): gac-Qwen3-8B-Base-s1.")
 
 
@@ -179,9 +181,11 @@ def test_figure6_and_doc_block_are_written(sweep, tmp_path):
     doc = tmp_path / "results.md"
     doc.write_text("# Paper\n\n<!-- paper_tables:begin -->\nSTALE\n<!-- paper_tables:end -->\n\nprose\n")
     written = tables.main(["--sweep", str(sweep), "--out", str(tmp_path / "out"), "--doc", str(doc)])
-    for suffix in ("png", "pdf"):
-        path = tmp_path / "out" / f"fig6_a3po_reward.{suffix}"
-        assert path in written and path.stat().st_size > 5_000, path
+    figures_2_3 = [f"fig2_3_math500_pass_at_1_{model}" for model in ("Qwen3-1.7B-Base", "Qwen3-8B-Base")]
+    for stem in ("fig6_a3po_reward", *figures_2_3):
+        for suffix in ("png", "pdf"):  # Figures 2/3 from a sweep too: one per model, here one D = 0 panel each
+            path = tmp_path / "out" / f"{stem}.{suffix}"
+            assert path in written and path.stat().st_size > 5_000, path
     image = matplotlib.image.imread(tmp_path / "out" / "fig6_a3po_reward.png")
     assert image.ndim == 3 and image.shape[1] > image.shape[0]  # two model panels side by side (reward, entropy)
     text = (tmp_path / "out" / "paper_tables.md").read_text()

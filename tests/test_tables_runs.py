@@ -150,14 +150,8 @@ def test_tables_of_the_simulated_async_suite_from_run_folders(root, tmp_path):
     assert rows["TIC"] == ["2", "35.0 ± 1.4 / 25.0 ± 1.4", "36.0 ± 1.4 / 26.0 ± 1.4", "35.5 ± 1.4 / 25.5 ± 1.4",
                            "2.0 ± 0.7"]  # fmt: skip
     assert "(update 20)" in text.split("**Table 1.**", 1)[1].split("\n", 1)[0]
-    _, rows = table_rows(text, "**Table 3, pass@k.**", key_cells=2)
-    # pass@k = avg@n + 0.04 per doubling of k; GSM8K (n = 8) has no pass@16, so the macro has none either
-    assert rows[("GMC", "4")] == ["40.0", "41.0", "40.5"]
-    assert rows[("GMC", "16")] == ["48.0", "–", "–"]
-    assert rows[("TIC", "2")][0] == "29.0 ± 1.4"
-    header, rows = table_rows(text, "**Table 5.**")
-    assert header == ["method", "Qwen3-4B-Base"] and rows == {"TIC": ["35.5 ± 1.4 / 25.5 ± 1.4"],
-                                                              "GMC": ["42.5 / 32.5"]}  # fmt: skip
+    # the virtual clock sets no delay (no Table 3 or 4, no Figures 2/3), and there is no A-3PO run (no Table 5)
+    assert "**Table 3" not in text and "**Table 4" not in text and "**Table 5" not in text
     assert text.rstrip().endswith("Not finished (left out): qwen3_4b_grpo (10/20 updates).")
 
 
