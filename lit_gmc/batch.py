@@ -140,6 +140,10 @@ class RolloutBatch:
     def select_groups(self, groups: Tensor) -> RolloutBatch:
         """The sub-batch of the groups at indices ``groups`` ``(k,)``, in that order (copies)."""
         rows = (groups[:, None] * self.group_size + torch.arange(self.group_size)).flatten()  # (k G,)
+        return self._take(rows, groups)
+
+    def _take(self, rows: Tensor | slice, groups: Tensor | slice) -> RolloutBatch:
+        """The batch with per-row fields indexed by ``rows`` and per-group fields by ``groups`` (the same groups)."""
         return replace(
             self,
             input_ids=self.input_ids[rows],
@@ -194,20 +198,7 @@ class RolloutBatch:
 
     def groups_slice(self, start: int, stop: int) -> RolloutBatch:
         """The sub-batch of groups ``start:stop`` (used for micro-batching whole groups)."""
-        g = self.group_size
-        rows = slice(start * g, stop * g)
-        return replace(
-            self,
-            input_ids=self.input_ids[rows],
-            attention_mask=self.attention_mask[rows],
-            response_mask=self.response_mask[rows],
-            behavior_logprobs=self.behavior_logprobs[rows],
-            rewards=self.rewards[rows],
-            versions=self.versions[start:stop],
-            batch_ids=self.batch_ids[start:stop],
-            prompt_ids=self.prompt_ids[start:stop],
-            update_positions=None if self.update_positions is None else self.update_positions[start:stop],
-        )
+        return self._take(slice(start * self.group_size, stop * self.group_size), slice(start, stop))  # views
 
 
 def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
