@@ -10,10 +10,11 @@ samples do not depend on how many servers there are.
 
 Weights move through vLLM's weight-transfer protocol (:mod:`lit_gmc.data.weight_transfer`): one process group of
 the learner's rank 0 and every worker of every server (``gloo`` between CPU processes, vLLM's ``nccl`` between
-GPUs), streamed in buckets as ``WeightSync`` gathers them. The servers need ``VLLM_SERVER_DEV_MODE=1`` (the
-routes answer 404 otherwise), ``--weight-transfer-config '{"backend": "gloo"}'`` (or ``nccl``),
-``--logprobs-mode processed_logprobs`` (the behaviour log-probs are those of the distribution sampled from) and
-lit_gmc installed (``gloo`` is a vLLM plugin it provides). ``launch`` sets all of that.
+GPUs, or vLLM's ``ipc`` for one server on the learner's own GPU), streamed in buckets as ``WeightSync`` gathers
+them. The servers need ``VLLM_SERVER_DEV_MODE=1`` (the routes answer 404 otherwise), ``--weight-transfer-config
+'{"backend": "gloo"}'`` (or ``nccl``, ``ipc``), ``--logprobs-mode processed_logprobs`` (the behaviour log-probs
+are those of the distribution sampled from) and lit_gmc installed (``gloo`` is a vLLM plugin it provides).
+``launch`` sets all of that.
 """
 
 from __future__ import annotations
@@ -97,11 +98,29 @@ class ServerGroupClient:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Every server receives one bucket (returns once all of them have it)."""
-        self._on_every_server("update_weights", [{"update_info": update_info}] * len(self.urls))
+        self._on_every_server("update_weights", [{"update_info": json_update_info(update_info)}] * len(self.urls))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Close the update on every server and stamp its version."""
         self._on_every_server("finish_weight_update", [{"weight_version": weight_version}] * len(self.urls))
+
+    def update_weight_version(self, version: str) -> None:
+        """Stamp ``version`` on every server (for vLLM's trainer engines, which finish without one)."""
+        self._on_every_server("update_weight_version", [{"new_version": version}] * len(self.urls))
+
+
+def json_update_info(update_info: dict[str, Any]) -> dict[str, Any]:
+    """``update_info`` as JSON can carry it: vLLM's IPC handles (tuples of bytes) pickled, as its HTTP client does.
+
+    The worker reads them from ``ipc_handles_pickled`` when the server has ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+    """
+    if update_info.get("ipc_handles") is None:
+        return update_info
+    import base64
+    import pickle
+
+    pickled = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode("ascii")
+    return {**{k: v for k, v in update_info.items() if k != "ipc_handles"}, "ipc_handles_pickled": pickled}
 
 
 class VLLMServers(RolloutEngine):
@@ -113,10 +132,13 @@ class VLLMServers(RolloutEngine):
         launch: Servers to start on this node (each sees the CUDA ids of ``devices[k]``); stopped by :meth:`close`.
         devices: Launched servers on GPU only: one CUDA id list per server, e.g. ``["1", "2,3"]`` (tensor parallel
             over the ids of a server). ``null`` on CPU.
-        backend: Weight transport: ``gloo`` (CPU processes, the test path) or ``nccl`` (GPUs; not tested here);
-            ``null`` takes ``nccl`` when this process has CUDA, else ``gloo``.
-        bucket_bytes: Most bytes of weights announced and sent per ``/update_weights`` call (the learner holds one
-            bucket at a time); ``null`` is 256 MiB on GPU, 32 MiB on CPU.
+        backend: Weight transport: ``gloo`` (CPU processes, the test path), ``nccl`` (GPUs) or ``ipc`` (one server
+            on this learner's own GPU, colocated: vLLM's CUDA IPC trainer engine; one learner process, and a
+            server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which ``launch`` sets). ``nccl`` and
+            ``ipc`` have never run here (no GPU). ``null`` takes ``nccl`` when this process has CUDA, else ``gloo``.
+        bucket_bytes: Most bytes of weights announced and sent per ``/update_weights`` call; the learner holds two
+            such buffers during a sync (``nccl``: plus the cast copy of a tensor larger than a bucket; ``ipc``: one
+            buffer, which must hold the largest tensor); ``null`` is 256 MiB on GPU, 32 MiB on CPU.
         dtype: The servers' weight dtype (``auto``: the checkpoint's); weights are cast to it before they travel.
         served_model: The model name the servers answer to; ``null`` is the actor's path, as ``vllm serve --model
             PATH`` names it.
@@ -136,7 +158,7 @@ class VLLMServers(RolloutEngine):
         urls: list[str] | None = None,
         launch: int = 0,
         devices: list[str] | None = None,
-        backend: Literal["gloo", "nccl"] | None = None,
+        backend: Literal["gloo", "nccl", "ipc"] | None = None,
         bucket_bytes: int | None = None,
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
         served_model: str | None = None,
@@ -149,7 +171,7 @@ class VLLMServers(RolloutEngine):
         seed: int = 0,
         server_args: list[str] | None = None,
     ) -> None:
-        check_options("VLLMServers", self.option_problems(urls, launch, devices, bucket_bytes))
+        check_options("VLLMServers", self.option_problems(urls, launch, devices, bucket_bytes, backend))
         self.given_urls, self.launch, self.devices = list(urls or []), launch, devices
         self.backend, self.bucket_bytes, self.dtype_option = backend, bucket_bytes, dtype
         self.served_model, self.transfer_address = served_model, transfer_address
@@ -168,8 +190,8 @@ class VLLMServers(RolloutEngine):
         self._lock = threading.Lock()  # generation and weight updates may come from different threads
 
     @staticmethod
-    def option_problems(urls: list[str] | None, launch: int, devices: list[str] | None,
-                        bucket_bytes: int | None) -> list[str]:  # fmt: skip
+    def option_problems(urls: list[str] | None, launch: int, devices: list[str] | None, bucket_bytes: int | None,
+                        backend: str | None = None) -> list[str]:  # fmt: skip
         """Every inconsistent option, one line each, named by its init arg."""
         out = []
         if launch < 0:
@@ -183,6 +205,12 @@ class VLLMServers(RolloutEngine):
             out.append(f"devices lists {len(devices)} servers' CUDA ids but launch={launch}")
         if bucket_bytes is not None and bucket_bytes < 1:
             out.append(f"bucket_bytes={bucket_bytes} must be >= 1")
+        if backend == "ipc":
+            if not torch.cuda.is_available():
+                out.append("backend=ipc needs CUDA (the learner shares its GPU memory with a colocated server by CUDA "
+                           "IPC): use gloo on CPU")  # fmt: skip
+            if len(urls or []) + launch != 1:
+                out.append(f"backend=ipc takes one server, on this learner's GPU; got {len(urls or []) + launch}")
         return out
 
     @property
@@ -212,6 +240,9 @@ class VLLMServers(RolloutEngine):
         self.dtype: torch.dtype = getattr(torch, dtype)
         cuda = torch.cuda.is_available()
         self.backend_name = self.backend or ("nccl" if cuda else "gloo")
+        if self.backend_name == "ipc" and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # vLLM's IPC trainer engine gathers handles over the default group, but only rank 0 sends here.
+            raise RuntimeError("VLLMServers: --data.engine.backend=ipc needs one learner process; use nccl")
         try:
             self._launch_servers(dtype, cuda)
             problems = self.preflight_problems(actor)
@@ -234,6 +265,8 @@ class VLLMServers(RolloutEngine):
                        "--weight-transfer-config", json.dumps({"backend": self.backend_name}),
                        "--disable-uvicorn-access-log"]  # fmt: skip
             env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+            if self.backend_name == "ipc":  # the IPC handles reach the server pickled (vLLM's own HTTP format)
+                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             if cuda:
                 command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
                 if self.devices is not None:

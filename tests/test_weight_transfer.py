@@ -1,0 +1,208 @@
+"""The bucketing of weight transfers on plain tensors, through a real gloo group of two ranks inside this process.
+
+Rank 0 runs :class:`BucketSender` as the learner does; rank 1 answers each ``/update_weights`` with
+:func:`receive_bucket`, the receive of the ``gloo`` worker engine (the vLLM servers' side is covered end to end in
+``tests/test_vllm_serve.py``). The announcements are what the servers would get over HTTP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from lit_gmc.data.vllm_engine import INSTALL_HINT
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
+
+
+class LoopbackClient:
+    """vLLM's ``VLLMWeightSyncClient`` answered in this process: ``update_weights`` receives on rank 1."""
+
+    def __init__(self, group, received: dict | None = None) -> None:
+        self.group, self.partial, self.announced, self.version = group, {}, [], None
+        self.received = {} if received is None else received
+
+    def start_weight_update(self) -> None:
+        self.partial.clear()
+
+    def update_weights(self, update_info: dict) -> None:
+        from lit_gmc.data.weight_transfer import GlooUpdateInfo, receive_bucket
+
+        self.announced.append(json.loads(json.dumps(update_info)))  # what HTTP would carry
+        receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, self.received.__setitem__)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.version = weight_version
+
+
+@pytest.fixture
+def gloo_pair():
+    """Ranks 0 and 1 of one gloo group (each opens its end on its own thread: the rendezvous waits for both)."""
+    from lit_gmc.data.vllm_serve import free_port
+    from lit_gmc.data.weight_transfer import open_gloo_group
+
+    port = free_port()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ends = [pool.submit(open_gloo_group, "127.0.0.1", port, rank, 2, 20) for rank in (0, 1)]
+        (store0, rank0), (store1, rank1) = [end.result() for end in ends]
+    yield rank0, rank1
+    del store0, store1
+
+
+def model_like() -> list[tuple[str, torch.Tensor]]:
+    """fp32 tensors of awkward sizes: larger than a bucket, a scalar, one with no elements, a transposed view."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("embed", torch.randn(7, 5, generator=generator)),
+        ("norm", torch.randn(3, generator=generator)),
+        ("scale", torch.randn((), generator=generator)),
+        ("empty", torch.zeros(0, 4)),
+        ("proj", torch.randn(4, 6, generator=generator).t()),
+        ("bias", torch.randn(11, generator=generator)),
+    ]
+
+
+def sent_buffers(group, storages: set[int]):
+    """The sender's broadcast, noting the storage of every buffer it sends."""
+
+    def broadcast(data: torch.Tensor):
+        storages.add(data.untyped_storage().data_ptr())
+        return group.broadcast(data, 0)
+
+    return broadcast
+
+
+@pytest.mark.parametrize("bucket_bytes", [2, 10, 16, 64, 1 << 20])
+def test_every_tensor_arrives_cast_exactly_and_whole_through_two_buffers(gloo_pair, bucket_bytes):
+    from lit_gmc.data.weight_transfer import BucketSender
+
+    client, storages = LoopbackClient(gloo_pair[1]), set()
+    sender = BucketSender(client, sent_buffers(gloo_pair[0], storages), bucket_bytes, torch.bfloat16)
+    tensors = model_like()
+    sender.send(iter(tensors), version="3")
+    assert list(client.received) == [name for name, _ in tensors] and client.version == "3"
+    for name, tensor in tensors:  # bit for bit what a whole-tensor cast gives
+        assert torch.equal(client.received[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+        assert client.received[name].shape == tensor.shape
+    elements = [sum(a["stops"]) - sum(a["starts"]) for a in client.announced]
+    assert all(0 < 2 * n <= bucket_bytes for n in elements[:-1]) and 2 * elements[-1] <= bucket_bytes
+    assert len(storages) <= 2  # two buffers, alternating
+    if bucket_bytes < 70:  # "embed" (35 elements) is larger than a bucket: it travels in pieces, in order
+        announced = [zip(a["names"], a["starts"], a["stops"], strict=True) for a in client.announced]
+        pieces = [(start, stop) for a in announced for name, start, stop in a if name == "embed"]
+        assert len(pieces) > 1 and [s for s, _ in pieces] == [0] + [e for _, e in pieces[:-1]] and pieces[-1][1] == 35
+
+
+def test_without_splitting_each_bucket_is_one_vllm_packed_buffer(gloo_pair):
+    """vLLM's NCCL worker (packed) cuts a buffer once it holds more than bucket_bytes: each announced bucket must be
+    whole tensors within bucket_bytes, or one larger tensor alone, laid out as vLLM's ``unpack_tensor`` reads it."""
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    from lit_gmc.data.weight_transfer import BucketSender
+
+    bucket_bytes, received, announced = 24, {}, []
+
+    class PackedClient(LoopbackClient):
+        def update_weights(self, update_info: dict) -> None:
+            announced.append(update_info)
+            dtypes = [getattr(torch, d) for d in update_info["dtype_names"]]
+            sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(update_info["shapes"], dtypes, strict=True)]
+            packed = torch.empty(sum(sizes), dtype=torch.uint8)
+            if packed.numel():
+                self.group.broadcast(packed, 0).wait()
+            received.update(unpack_tensor(packed, update_info["names"], update_info["shapes"], dtypes, sizes))
+
+    sender = BucketSender(PackedClient(gloo_pair[1]), sent_buffers(gloo_pair[0], set()), bucket_bytes, torch.bfloat16,
+                          vllm_packed=True)  # fmt: skip
+    tensors = model_like()
+    sender.send(iter(tensors))
+    for name, tensor in tensors:
+        assert torch.equal(received[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+    for info in announced:
+        assert "starts" not in info
+        total = sum(torch.Size(s).numel() * 2 for s in info["shapes"])
+        assert total <= bucket_bytes or len(info["names"]) == 1
+    assert ["embed"] in [info["names"] for info in announced]  # 70 bytes: alone
+
+
+def test_a_loading_error_surfaces_once_the_whole_bucket_is_received(gloo_pair):
+    from lit_gmc.data.weight_transfer import BucketSender
+
+    class RefusingClient(LoopbackClient):
+        refuse = True
+
+        def update_weights(self, update_info: dict) -> None:
+            super().update_weights(update_info)
+            if self.refuse and "norm" in update_info["names"]:
+                raise RuntimeError("no such parameter: norm")
+
+    client = RefusingClient(gloo_pair[1])
+    sender = BucketSender(client, sent_buffers(gloo_pair[0], set()), 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no such parameter: norm"):
+        sender.send(iter(model_like()))
+    assert client.version is None  # never finished
+    # The group is still in step: a later update goes through.
+    client.refuse = False
+    sender.send(iter(model_like()), version="1")
+    assert client.version == "1"
+
+
+def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
+    from lit_gmc.data.vllm_serve import free_port
+    from lit_gmc.data.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
+
+    _, alone = open_gloo_group("127.0.0.1", free_port(), 0, 1, 10)
+    info = GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[2], stops=[4])
+    with pytest.raises(ValueError, match="w: a piece from element 2 does not continue"):
+        receive_bucket(alone, info, {}, print)
+    with pytest.raises(ValueError, match="give both starts and stops"):
+        GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[0])
+    with pytest.raises(ValueError, match=r"differ in length: \[1, 1, 1, 2, 2\]"):
+        GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[0, 1], stops=[1, 4])
+    with pytest.raises(ValueError, match="bucket_bytes=1 must hold one torch.bfloat16 element"):
+        from lit_gmc.data.weight_transfer import BucketSender
+
+        BucketSender(None, None, 1, torch.bfloat16)
+
+
+# ---- backend: ipc (vLLM's CUDA IPC trainer engine; only what runs without a GPU) ----
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_ipc_is_refused_without_cuda_and_with_more_than_one_server_naming_the_flag():
+    from lit_gmc.data.components import component_problems
+    from lit_gmc.data.vllm_serve import VLLMServers
+
+    problems = component_problems(VLLMServers, {"urls": ["http://a:8000"], "launch": 1, "backend": "ipc"},
+                                  "--data.engine")  # fmt: skip
+    assert problems == [
+        "--data.engine.backend=ipc needs CUDA (the learner shares its GPU memory with a colocated server by CUDA "
+        "IPC): use gloo on CPU",
+        "--data.engine.backend=ipc takes one server, on this learner's GPU; got 2",
+    ]
+    with pytest.raises(ValueError, match="invalid VLLMServers options: backend=ipc needs CUDA"):
+        VLLMServers(urls=["http://a:8000"], backend="ipc")
+    assert component_problems(VLLMServers, {"urls": ["http://a:8000"], "backend": "gloo"}, "--data.engine") == []
+
+
+def test_ipc_handles_travel_as_vllms_worker_reads_them(monkeypatch):
+    """The ``/update_weights`` body our client posts for vLLM's IPC trainer engine parses back, through vLLM's own
+    ``IPCWeightTransferUpdateInfo``, to the handles the engine gave (tuples with bytes, which JSON cannot carry)."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from lit_gmc.data.vllm_serve import json_update_info
+
+    handles = {"GPU-0a1b": (7, b"\x00handle\xff", 4096, 0, b"\x01ref", 12, 0, False)}
+    info = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]], "ipc_handles": handles,
+            "tensor_sizes": [12]}  # fmt: skip
+    body = json.loads(json.dumps(json_update_info(info)))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    parsed = IPCWeightTransferUpdateInfo(**body)
+    assert parsed.ipc_handles == handles and parsed.names == ["w"] and parsed.tensor_sizes == [12]
+    plain = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
+    assert json_update_info(plain) is plain  # gloo and nccl announcements pass unchanged
