@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -108,6 +108,8 @@ def file_suite(
     samples: int | None = None,
     max_problems: int | None = None,
     max_prompt_tokens: int | None = None,
+    chat_template: bool = False,
+    chat_option: str = "Evaluation chat_template",
 ) -> Suite:
     """The suite of a :class:`BenchmarkFile`: its rows, prompts from its template, its scorer.
 
@@ -119,6 +121,8 @@ def file_suite(
         samples: Samples per problem, overriding the file's own ``samples``.
         max_problems: Only the first problems.
         max_prompt_tokens: Prompt budget (longer prompts lose their beginning).
+        chat_template: Wrap each prompt, after the budget cut, in ``tokenizer``'s chat template (:func:`in_chat`).
+        chat_option: The option that asked for it, named when ``tokenizer`` has no chat template.
 
     Raises:
         UserError: Naming the benchmark, for a bad template or scorer, or a missing or malformed file.
@@ -148,8 +152,24 @@ def file_suite(
     except (UserError, ValueError) as err:
         raise UserError(f"benchmark {spec.name!r}: {err}") from err
     prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
+    if chat_template:
+        prompts = in_chat(prompts, tokenizer, chat_option)
     n = samples or spec.samples
     return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer, len(skipped))
+
+
+def in_chat(prompts: Sequence[Any], tokenizer: Any, option: str = "Evaluation chat_template") -> list[Any]:
+    """``prompts`` (dataclasses with ``text``) wrapped in ``tokenizer``'s chat template.
+
+    Each becomes a user turn and the assistant's opening (:func:`~lit_gmc.data.tasks.in_chat_template`), as training
+    prompts do with ``--data.task.chat_template``.
+
+    Raises:
+        UserError: Naming ``option``, for a tokenizer without a chat template.
+    """
+    from lit_gmc.data.tasks import in_chat_template
+
+    return [replace(prompt, text=in_chat_template(prompt.text, tokenizer, option)) for prompt in prompts]
 
 
 def correctness(
@@ -248,6 +268,9 @@ class Evaluation(pl.Callback):
             ``null`` builds the MATH scorer (last ``\boxed{}`` + math-verify) when one of them needs it.
         cut_at_next_problem: For the built scorer: score only the text before an invented next ``Problem:``
             line (a deviation from the paper, which scores the whole completion); match the training reward's.
+        chat_template: Wrap each benchmark prompt, after the ``max_prompt_tokens`` cut, in the tokenizer's chat
+            template as a user turn and the assistant's opening (as ``--data.task.chat_template`` does for training
+            prompts: set both alike for an instruction-tuned actor); off: the plain benchmark prompt.
     """
 
     def __init__(
@@ -268,6 +291,7 @@ class Evaluation(pl.Callback):
         tokenizer: Any = None,
         scorer: Scorer | None = None,
         cut_at_next_problem: bool = False,
+        chat_template: bool = False,
     ) -> None:
         problems = []
         names = [spec if isinstance(spec, str) else spec.name for spec in benchmarks]
@@ -302,6 +326,7 @@ class Evaluation(pl.Callback):
         self.data_dir, self.sources, self.samples, self.ks = data_dir, dict(sources or {}), samples, tuple(ks)
         self.max_new_tokens, self.max_prompt_tokens, self.max_problems = max_new_tokens, max_prompt_tokens, max_problems
         self.seed, self.verifier_workers, self.cut_at_next_problem = seed, verifier_workers, cut_at_next_problem
+        self.chat_template = chat_template
         self._given = {"engine": engine, "tokenizer": tokenizer, "scorer": scorer}
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.suites: list[Suite] = []
@@ -378,6 +403,8 @@ class Evaluation(pl.Callback):
         items = bench.items[: self.max_problems]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
                                self.max_prompt_tokens)  # fmt: skip
+        if self.chat_template:
+            prompts = in_chat(prompts, self.tokenizer)
         n = self.samples or bench.samples
         ks = tuple(k for k in self.ks if k <= n)
         return Suite(name, bench.title, prompts, n, ks, self.math_scorer(), len(bench.skipped))
@@ -388,7 +415,7 @@ class Evaluation(pl.Callback):
 
         try:
             return file_suite(spec, self.tokenizer, self.math_scorer, self.ks, self.samples, self.max_problems,
-                              self.max_prompt_tokens)  # fmt: skip
+                              self.max_prompt_tokens, self.chat_template)  # fmt: skip
         except UserError as err:
             raise UserError(f"Evaluation: {err}") from err
 

@@ -15,24 +15,27 @@ collective of the default group, whose timeout a long generation would trip.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_gmc.actor import load_actor, resolve_actor_path
+from lit_gmc.actor import context_problem, load_actor, resolve_actor_path
 from lit_gmc.batch import RolloutBatch, collate_groups
 from lit_gmc.data.components import check_options
 from lit_gmc.data.engines import RolloutEngine, SamplingParams
+from lit_gmc.data.math_data import truncate_prompt
 from lit_gmc.data.recompute import BehaviorRecompute
 from lit_gmc.data.schedules import Batch, DelaySchedule
 from lit_gmc.data.tasks import Prompt, PromptStream, Reward, Task
 from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
+from lit_gmc.errors import UserError
 
 
 @runtime_checkable
@@ -43,27 +46,28 @@ class TokenizerSetup(Protocol):
         """Prepare with the rollout engine's tokenizer; called once, before :meth:`Task.train_prompts`."""
 
 
-def checked_rewards(rewards: Sequence[float], group_size: int, scorer: Callable, prompt_id: int) -> list[float]:
-    """``rewards`` as floats, or a ``ValueError`` naming the scorer, the prompt and the bad value.
+def within_budget(prompts: Sequence[Prompt], tokenizer: Any, max_tokens: int) -> list[Prompt]:
+    """``prompts`` with their beginning cut to ``max_tokens`` tokens of ``tokenizer`` (``--data.max_prompt_tokens``).
 
-    Checked where rewards enter: one NaN or inf reward would make every rule's gradient non-finite.
+    The cut is :func:`~lit_gmc.data.math_data.truncate_prompt`'s, the one Math's own budget makes; how many prompts
+    lost text is said once, in a warning.
+
+    Raises:
+        UserError: For a tokenizer that cannot report character offsets (not a fast tokenizer).
     """
-    name = getattr(scorer, "__qualname__", type(scorer).__name__)
-    values = list(rewards)
-    if len(values) != group_size:
-        raise ValueError(f"reward {name} returned {len(values)} rewards for prompt {prompt_id}, expected {group_size}")
-    for index, value in enumerate(values):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
-            raise ValueError(
-                f"reward {name} gave {values[index]!r} for response {index} of prompt {prompt_id}: "
-                "rewards must be finite numbers"
-            )
-        values[index] = value
-    return values
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            f"--data.max_prompt_tokens {max_tokens}: cutting prompts needs a fast tokenizer (character offsets), and "
+            f"the actor's is {type(tokenizer).__name__}; leave --data.max_prompt_tokens null"
+        )
+    kept = [replace(prompt, text=truncate_prompt(prompt.text, tokenizer, max_tokens)) for prompt in prompts]
+    cut = sum(new.text != old.text for new, old in zip(kept, prompts, strict=True))
+    if cut:
+        rank_zero_warn(
+            f"--data.max_prompt_tokens {max_tokens}: cut the beginning of {cut} of {len(prompts)} training prompts "
+            "(their last tokens are kept)"
+        )
+    return kept
 
 
 class RolloutStream:
@@ -125,6 +129,12 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: ``G``, responses per prompt.
         batch_prompts: ``B``, prompts per update.
         max_new_tokens: Completion budget ``T``; also the loss normaliser (linked to the model).
+        max_prompt_tokens: Prompt budget of any task, counted in the engine's tokenizer (TRL's and verl's
+            ``max_prompt_length``): a longer training prompt loses its beginning, the end (the question and the cue
+            the model continues from) is kept, and one warning gives the count. Applied last, to the text the engine
+            will see (after the task's own ``setup(tokenizer)``, chat template included); ``null`` keeps prompts
+            whole. ``Math`` has its own ``max_prompt_tokens`` (the paper's 1,024), which cuts the two-shot text
+            before a chat template wraps it: use that one for the paper's setup, this one for any other task.
         temperature: Sampling temperature (the learner's log-probs use the same; linked).
         top_p: Nucleus mass.
         seed: Seed of the prompt order and the sampling noise.
@@ -149,6 +159,7 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: int = 8,
         batch_prompts: int = 8,
         max_new_tokens: int = 6,
+        max_prompt_tokens: int | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
@@ -158,7 +169,7 @@ class RolloutDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         check_options("data", self.option_problems(group_size, batch_prompts, max_new_tokens, temperature, top_p,
-                                                   total_updates, rank0_wait_hours))  # fmt: skip
+                                                   total_updates, rank0_wait_hours, max_prompt_tokens))  # fmt: skip
         self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward"])
         self.task, self.engine, self.schedule = task, engine, schedule
         self.score = Reward.of(reward, task)  # checked at start-up (its signature) and on every call (its result)
@@ -181,6 +192,7 @@ class RolloutDataModule(pl.LightningDataModule):
         top_p: float,
         total_updates: int,
         rank0_wait_hours: float = 12.0,
+        max_prompt_tokens: int | None = None,
     ) -> list[str]:
         """Every problem with the shared options, named by their init args."""
         problems = []
@@ -198,6 +210,8 @@ class RolloutDataModule(pl.LightningDataModule):
             problems.append(f"total_updates={total_updates} must be >= 1 (set by --trainer.max_steps)")
         if not rank0_wait_hours > 0:
             problems.append(f"rank0_wait_hours={rank0_wait_hours} must be > 0")
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            problems.append(f"max_prompt_tokens={max_prompt_tokens} must be >= 1 (or null: whole prompts)")
         return problems
 
     @property
@@ -252,7 +266,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self.started = self.rank == 0
 
     def start_engine(self) -> None:
-        """Start the engine on the actor (rank 0), let the task see its tokenizer, and open the prompt stream."""
+        """Start the engine on the actor (rank 0), let the task see its tokenizer, and open the prompt stream.
+
+        The stream's prompts are the task's, cut to ``max_prompt_tokens``; a :class:`UserError` refuses them when the
+        longest leaves no room for ``max_new_tokens`` in the actor's context (:func:`context_problem`).
+        """
         hp = self.hparams
         self.engine.start(hp.actor)
         if hp.recompute_behavior_logprobs:
@@ -263,7 +281,14 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.stream is None:  # once: a second fit with this DataModule continues the prompt order
             if isinstance(self.task, TokenizerSetup):
                 self.task.setup(self.engine.tokenizer)
-            self.stream = PromptStream(self.task.train_prompts(), seed=hp.seed)
+            prompts = self.task.train_prompts()
+            if hp.max_prompt_tokens is not None:
+                prompts = within_budget(prompts, self.engine.tokenizer, hp.max_prompt_tokens)
+            pairs = [(prompt.id, prompt.text) for prompt in prompts]
+            problem = context_problem(hp.actor, pairs, hp.max_new_tokens, self.engine.tokenizer, hp.max_prompt_tokens)
+            if problem:
+                raise UserError(problem)
+            self.stream = PromptStream(prompts, seed=hp.seed)
 
     @property
     def tokenizer(self):
@@ -320,8 +345,7 @@ class RolloutDataModule(pl.LightningDataModule):
         scored = []
         for b, group in enumerate(groups):
             texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
-            scores = self.score(texts, group.answer, group.prompt)  # the prompt: for a TRL-style reward
-            rewards = checked_rewards(scores, hp.group_size, self.score, group.prompt_id)
+            rewards = self.score(texts, group.answer, group.prompt, group.prompt_id)  # the prompt: for TRL's form
             scored.append(group.with_rewards(rewards, batch_id=launch_id))
         return scored
 

@@ -30,7 +30,9 @@ class Math(Task):
         test_path: Held-out prompts: ``null`` for MATH-500 from its default hub source, or a local file or
             folder; loaded on first use (evaluation), never for training.
         max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning.
-            ``null`` keeps prompts whole.
+            ``null`` keeps prompts whole. It cuts the two-shot text, before ``chat_template`` wraps it, so the
+            template is never cut; ``--data.max_prompt_tokens``, the budget every task has, cuts the final text
+            after this one (leave it null for the paper's setup).
         tokenizer: Tokenizer (actor name or path) that counts prompt tokens; ``null``: the rollout engine's, so
             the budget is counted in the tokens the engine will see.
         split: Split of a hub or folder training dataset (``null``: the source's own).

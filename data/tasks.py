@@ -33,8 +33,9 @@ class Task(Protocol):
     """What the DataModule needs from a task (``data.task``): any class with these three methods works.
 
     A task may also define ``setup(tokenizer)``: the DataModule calls it once, with the rollout engine's
-    tokenizer, before it reads the prompts (e.g. to cut prompts to a token budget counted in the tokens the
-    engine will see). The task's own ``score`` is the reward unless ``--data.reward`` names another function.
+    tokenizer, before it reads the prompts (e.g. to wrap them in the tokenizer's chat template). The DataModule then
+    cuts every task's training prompts to ``--data.max_prompt_tokens`` and checks the longest against the actor's
+    context. The task's own ``score`` is the reward unless ``--data.reward`` names another function.
     """
 
     def train_prompts(self) -> Sequence[Prompt]:
@@ -105,7 +106,7 @@ def in_chat_template(text: str, tokenizer: Any, option: str = "--data.task.chat_
     except (ValueError, AttributeError) as err:  # transformers: "Cannot use chat template functions ... not set"
         raise UserError(
             f"{option}: the actor's tokenizer has no chat template ({type(tokenizer).__name__}); leave {option} "
-            "false for a base model, or choose an instruction-tuned --model.actor"
+            "off for a base model, or choose an instruction-tuned actor"
         ) from err
 
 
@@ -191,11 +192,12 @@ def calling_convention(function: Callable, name: str) -> str:
 class Reward:
     """The run's reward function, called one way whatever its form, its result checked before it is used.
 
-    ``Reward(function, name)(completions, answer, prompt)`` returns one float per completion. ``function`` is the
-    task's ``score`` or ``--data.reward``, of either form of :func:`calling_convention`. A result that is not one
-    number per completion (None, a number, a list of the wrong length, an entry that is no number) raises one
-    :class:`UserError` naming the function. Rewards outside ``[0, 1]`` (where ``Task.score`` documents them) are
-    used as they are, with one warning that shows the values.
+    ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion.
+    ``function`` is the task's ``score`` or ``--data.reward``, of either form of :func:`calling_convention`. A result
+    that is not one number per completion (None, a number, a list of the wrong length, an entry that is no number)
+    raises one :class:`UserError` naming the function, and so does a NaN or infinite reward (naming the prompt id
+    too): checked where rewards enter, since one would make every rule's gradient non-finite. Rewards outside
+    ``[0, 1]`` (where ``Task.score`` documents them) are used as they are, with one warning that shows the values.
 
     Args:
         function: The reward function.
@@ -207,7 +209,6 @@ class Reward:
             raise UserError(f"reward {name} is not callable (got {type(function).__name__})")
         self.function = function
         self.name = name
-        self.__qualname__ = name  # how the DataModule's checks name the scorer
         self.convention = calling_convention(function, name)
         self.warned_scale = False
 
@@ -218,18 +219,20 @@ class Reward:
             return cls(reward, f"--data.reward {function_name(reward)}")
         return cls(task.score, f"{type(task).__name__}.score (the task's reward)")
 
-    def __call__(self, completions: Sequence[str], answer: str, prompt: str = "") -> list[float]:
-        """One float reward per completion of one prompt."""
+    def __call__(
+        self, completions: Sequence[str], answer: str, prompt: str = "", prompt_id: int | None = None
+    ) -> list[float]:
+        """One finite float reward per completion of one prompt (``prompt_id`` names it in messages)."""
         completions = list(completions)
         if self.convention == "trl":
             count = len(completions)
             result = self.function(prompts=[prompt] * count, completions=completions, answer=[answer] * count)
         else:
             result = self.function(completions, answer)
-        return self.checked(result, len(completions))
+        return self.checked(result, len(completions), prompt_id)
 
-    def checked(self, result: Any, count: int) -> list[float]:
-        """``result`` as ``count`` floats, or one :class:`UserError` naming the function and what it returned."""
+    def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
+        """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned."""
         expected = f"it must return a list of {count} numbers, one reward per completion"
         if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
             raise UserError(f"reward {self.name} returned {short(result)} for {count} completions; {expected}")
@@ -242,6 +245,13 @@ class Reward:
                 rewards.append(float(value))  # bool, numpy and 0-dim torch numbers too
             except (TypeError, ValueError):
                 raise UserError(f"reward {self.name} returned {short(value)} among its rewards; {expected}") from None
+        for index, value in enumerate(rewards):
+            if not math.isfinite(value):
+                where = f"response {index}" + (f" of prompt {prompt_id}" if prompt_id is not None else "")
+                raise UserError(
+                    f"reward {self.name} gave {short(values[index])} for {where} (rewards {short(values)}): rewards "
+                    "must be finite numbers"
+                )
         outside = [value for value in rewards if math.isfinite(value) and not 0.0 <= value <= 1.0]
         if outside and not self.warned_scale:
             self.warned_scale = True

@@ -70,11 +70,20 @@ def tiny_alphabet_problem(prompts: Sequence[tuple[int, str]]) -> str | None:
     )
 
 
-def context_problem(actor: str, prompts: Sequence[tuple[int, str]], max_new_tokens: int) -> str | None:
+def context_problem(
+    actor: str,
+    prompts: Sequence[tuple[int, str]],
+    max_new_tokens: int,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+) -> str | None:
     """Why the longest of these ``(id, text)`` prompts plus ``max_new_tokens`` exceeds ``actor``'s context, or None.
 
-    Counted with the actor's own tokenizer (without special tokens, as the engines encode prompts), against its
-    config's ``max_position_embeddings``; an actor whose config states no context length is not checked.
+    Counted with ``tokenizer`` (the engine's; ``None`` loads the actor's own), without special tokens as the engines
+    encode prompts, against the actor config's ``max_position_embeddings``; an actor whose config states no context
+    length is not checked. Called twice on one story: at start-up, before the model loads, for a task whose prompts
+    exist without a tokenizer, and by the DataModule on the prompts its stream serves, once the engine's tokenizer
+    has set the task up and ``--data.max_prompt_tokens`` (given here for the message) has cut them.
     """
     from transformers import AutoConfig
 
@@ -82,15 +91,20 @@ def context_problem(actor: str, prompts: Sequence[tuple[int, str]], max_new_toke
     context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
     if not prompts or not isinstance(context, int):
         return None
-    tokenizer = tokenizer_at(path, actor)
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_at(path, actor)
     lengths = [len(ids) for ids in tokenizer([text for _, text in prompts], add_special_tokens=False)["input_ids"]]
     longest = max(range(len(prompts)), key=lengths.__getitem__)
     if lengths[longest] + max_new_tokens <= context:
         return None
+    shorten = (
+        f"lower --data.max_prompt_tokens (now {max_prompt_tokens})"
+        if max_prompt_tokens is not None
+        else "shorten the task's prompts (--data.max_prompt_tokens N keeps the last N tokens of each)"
+    )
     return (
         f"prompt {prompts[longest][0]} of the task is {lengths[longest]} tokens, and with --data.max_new_tokens "
-        f"{max_new_tokens} that is more than the {context} tokens --model.actor {actor} can attend to; shorten the "
-        "task's prompts (a budget option of the task, as Math's max_prompt_tokens) or lower --data.max_new_tokens"
+        f"{max_new_tokens} that is more than the {context} tokens --model.actor {actor} can attend to; {shorten} "
+        "or lower --data.max_new_tokens"
     )
 
 

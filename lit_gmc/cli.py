@@ -272,7 +272,10 @@ class GMCCLI(LightningCLI):
         """Build the model, data and trainer once :func:`preflight_problems` finds nothing missing on this machine.
 
         Then refuse training prompts the tiny actor's character tokenizer cannot encode (:func:`tiny_alphabet_problem`)
-        or that leave no room for ``--data.max_new_tokens`` in the actor's context (:func:`context_problem`).
+        or that leave no room for ``--data.max_new_tokens`` in the actor's context (:func:`context_problem`), here,
+        before a long start, for a task whose prompts need no tokenizer and that ``--data.max_prompt_tokens`` does
+        not cut. The DataModule checks the context again on the prompts it serves, for every task, once the engine's
+        tokenizer has set the task up and the budget has cut them (``RolloutDataModule.start_engine``).
         """
         problems = preflight_problems(self.subcommand_config())
         if len(problems) == 1:
@@ -281,11 +284,12 @@ class GMCCLI(LightningCLI):
             raise UserError("this machine cannot run this config:\n  " + "\n  ".join(problems))
         super().instantiate_classes()
         task, config = self.datamodule.task, self.subcommand_config()
-        if isinstance(task, TokenizerSetup):  # prompts made with the engine's tokenizer (Math: its own budget)
+        if isinstance(task, TokenizerSetup):  # its prompts exist once the engine's tokenizer has set it up
             return
         prompts = [(prompt.id, prompt.text) for prompt in task.train_prompts()]
         problem = tiny_alphabet_problem(prompts) if config.model.actor == "tiny" else None
-        problem = problem or context_problem(config.model.actor, prompts, config.data.max_new_tokens)
+        if config.data.max_prompt_tokens is None:
+            problem = problem or context_problem(config.model.actor, prompts, config.data.max_new_tokens)
         if problem:
             raise UserError(problem)
 

@@ -162,22 +162,30 @@ def current_umask() -> int:
 def run_checkpoint_dir(configs: list[str]) -> Path:
     """The checkpoint folder a ``fit`` with these ``--config`` files writes to, layered over the embedded default.
 
-    ``--checkpoint.dirpath`` when a file sets it, else ``<logger save_dir>/<logger name>/checkpoints`` (fit's rule).
+    ``--checkpoint.dirpath`` when a file sets it, else ``<logger save_dir>/<logger name>/checkpoints`` (fit's rule),
+    a ``null`` name being ``<task>_<model>`` as in fit (:func:`~lit_gmc.run_folder.default_run_name`).
     """
     import yaml
 
     from lit_gmc.cli import embedded_default
+    from lit_gmc.run_folder import default_run_name
 
-    save_dir, name, dirpath = "runs", "", None
+    save_dir, name, dirpath, task, actor = "runs", "", None, "", "tiny"
     for path in [embedded_default(), *configs]:
         try:
             content = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError) as err:
             raise UserError(f"--config {path}: cannot be read ({first_line(err)})") from err
-        logger = (content.get("trainer") or {}).get("logger") if isinstance(content, dict) else None
+        content = content if isinstance(content, dict) else {}
+        logger = (content.get("trainer") or {}).get("logger")
         init_args = (logger.get("init_args") or {}) if isinstance(logger, dict) else {}
         save_dir, name = init_args.get("save_dir", save_dir), init_args.get("name", name)
-        dirpath = ((content.get("checkpoint") or {}) if isinstance(content, dict) else {}).get("dirpath", dirpath)
+        dirpath = (content.get("checkpoint") or {}).get("dirpath", dirpath)
+        spec = (content.get("data") or {}).get("task")
+        task = (spec.get("class_path") if isinstance(spec, dict) else spec) or task
+        actor = (content.get("model") or {}).get("actor", actor)
+    if name is None:
+        name = default_run_name(str(task), str(actor))
     return Path(dirpath) if dirpath else Path(str(save_dir), str(name or ""), "checkpoints")
 
 
@@ -204,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a checkpoint of lit_gmc fit (e.g. last.ckpt), a file or a sharded folder; 'last': the "
                         "newest last*.ckpt of the run's checkpoint folder, as in fit (see --config)")  # fmt: skip
     parser.add_argument("--config", action="append", default=[],
-                        help="the run's config files, as given to fit, to find its checkpoint folder for "
-                        "--ckpt_path last (default: the embedded default's, runs/tiny/checkpoints)")  # fmt: skip
+                        help="the run's config files, as given to fit, to find its checkpoint folder for --ckpt_path "
+                        "last (default: the embedded default's, runs/addition_tiny/checkpoints)")  # fmt: skip
     parser.add_argument("--out", required=True, help="new folder for the transformers model and tokenizer")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="dtype of the saved weights (training keeps fp32 master weights)")  # fmt: skip

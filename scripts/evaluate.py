@@ -3,7 +3,7 @@
 Writes a JSON of per-benchmark results (greedy accuracy, avg@n, pass@k, macro averages) and prints the
 paper's Table 1 layout, "greedy / avg@n" in percent per benchmark. Examples::
 
-    python scripts/evaluate.py --ckpt runs/tiny/version_0/checkpoints/last.ckpt --benchmarks amc23 gsm8k \
+    python scripts/evaluate.py --ckpt runs/addition_tiny/checkpoints/last.ckpt --benchmarks amc23 gsm8k \
         --max-new-tokens 6 --max-prompt-tokens 58 --samples 2 --limit 8 --output eval.json
     python scripts/evaluate.py --actor Qwen/Qwen3-1.7B-Base --device cuda --output base.json
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from lit_gmc.actor import load_actor
-from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, BenchmarkFile, Suite, evaluate_suites, file_suite
+from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, BenchmarkFile, Suite, evaluate_suites, file_suite, in_chat
 from lit_gmc.callbacks.metrics import PAPER_KS
 from lit_gmc.data.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
 from lit_gmc.data.engines import HFEngine
@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ks", type=int, nargs="+", default=list(PAPER_KS), help="pass@k sizes")
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="0 keeps prompts whole")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="wrap each prompt (after the --max-prompt-tokens cut) in the actor tokenizer's chat "
+                        "template, as a user turn and the assistant's opening, as --data.task.chat_template does in "
+                        "training (for an instruction-tuned actor)")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems of each benchmark")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -194,6 +198,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     for bench in benchmarks:
         items = bench.items[: args.limit]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
+        if args.chat_template:
+            prompts = in_chat(prompts, tokenizer, "--chat-template")
         n = args.samples or bench.samples
         suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n),
                             skipped=len(bench.skipped)))  # fmt: skip
@@ -207,8 +213,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         suites = [replace(suite, scorer=math_scorer()) for suite in suites]
-        suites += [file_suite(spec, tokenizer, math_scorer, args.ks, args.samples, args.limit, max_prompt)
-                   for spec in args.files]  # fmt: skip
+        suites += [file_suite(spec, tokenizer, math_scorer, args.ks, args.samples, args.limit, max_prompt,
+                              args.chat_template, "--chat-template") for spec in args.files]  # fmt: skip
         results = evaluate_suites(engine, tokenizer, None, suites, args.max_new_tokens, args.seed)
     finally:
         for scorer in scorers:

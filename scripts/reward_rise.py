@@ -1,6 +1,6 @@
 """Print a run's reward rise from its TensorBoard log: mean of the first and last K steps, and their difference.
 
-    python scripts/reward_rise.py runs/tiny/version_0 [--window 20] [--tag train/reward]
+    python scripts/reward_rise.py runs/addition_tiny/version_0 [--window 20] [--tag train/reward]
 """
 
 from __future__ import annotations

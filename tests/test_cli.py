@@ -18,8 +18,8 @@ import torch
 from docstring_parser import parse as parse_docstring
 
 import lit_gmc.__main__ as entry
+import lit_gmc.rules
 from lit_gmc.cli import GMCCLI
-from lit_gmc.corrections import registered_rules
 from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.data.math_task import Math
 from lit_gmc.errors import UserError
@@ -230,7 +230,7 @@ def test_each_rule_takes_its_own_threshold_and_keeps_its_authors_aggregation(rul
     correction = parse("--model.correction", rule, f"--model.correction.{option}", str(value)).model.correction
     assert correction.class_path == f"lit_gmc.rules.{rule}"
     assert correction.init_args[option] == value and correction.init_args.aggregation is None
-    built = registered_rules()[rule](**correction.init_args.as_dict())
+    built = getattr(lit_gmc.rules, rule)(**correction.init_args.as_dict())
     authors = {"GMC": "seq_sum_over_T", "TIC": "seq_sum_over_T", "GRPO": "seq_mean_token_mean",
                "VCPO": "seq_mean_token_mean", "GAC": "seq_mean_token_mean"}  # fmt: skip
     assert built.aggregation == authors.get(rule, "token_mean")

@@ -42,3 +42,13 @@ def test_the_training_stream_is_sized_stateful_and_yields_every_update():
         assert list(dm.train_dataloader()) == []  # the schedule is exhausted: a new stream yields nothing
     finally:
         dm.teardown("fit")
+
+
+def test_the_prompt_budget_keeps_each_prompt_s_last_tokens_and_says_how_many_it_cut(char_tokenizer):
+    from lit_gmc.data.datamodule import within_budget
+    from lit_gmc.data.tasks import Prompt
+
+    prompts = [Prompt(0, "1+2=", "3"), Prompt(3, "10+20+30=", "60"), Prompt(5, "4+5=", "9")]
+    with pytest.warns(UserWarning, match=r"^--data.max_prompt_tokens 5: cut the beginning of 1 of 3 training prompts"):
+        kept = within_budget(prompts, char_tokenizer, 5)
+    assert kept == [prompts[0], Prompt(3, "10+20+30="[-5:], "60"), prompts[2]]  # one token per character

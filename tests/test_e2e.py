@@ -30,7 +30,7 @@ def test_tiny_fit_with_fixed_delay_learns_and_writes_everything(tmp_path):
            str(DELAY), "--trainer.max_steps", str(STEPS)]  # fmt: skip
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ})
     assert out.returncode == 0, out.stderr[-4000:]
-    run_dir = tmp_path / "runs" / "tiny" / "version_0"
+    run_dir = tmp_path / "runs" / "addition_tiny" / "version_0"
     assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
     scalars = read_scalars(run_dir)
     assert EXPECTED_SCALARS <= set(scalars), EXPECTED_SCALARS - set(scalars)
@@ -42,7 +42,7 @@ def test_tiny_fit_with_fixed_delay_learns_and_writes_everything(tmp_path):
     assert last - first >= 0.1, f"reward did not rise: first 20 steps {first:.3f}, last 20 steps {last:.3f}"
     delays = [v for _, v in scalars["delay/max"]]
     assert delays == [float(min(step, DELAY)) for step in range(STEPS)]
-    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    ckpt = tmp_path / "runs" / "addition_tiny" / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)
     assert state["global_step"] == STEPS
     assert any(key.startswith("actor.") for key in state["state_dict"])

@@ -12,6 +12,7 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from run_helpers import tiny_data
+from transformers import AutoTokenizer
 
 from lit_gmc.actor import build_char_tokenizer
 from lit_gmc.callbacks.evaluation import BenchmarkFile, Evaluation, Suite, evaluate_suites, scalars_of
@@ -172,6 +173,47 @@ def test_a_benchmark_file_brings_its_own_columns_template_and_scorer(tmp_path):
                                    "pass@1": 0.5, "pass@2": 5 / 6, "pass@4": 1.0})  # fmt: skip
     assert set(scalars_of(results)) >= {"eval/sums/greedy", "eval/sums/avg@4", "eval/sums/pass@4"}
     callback.teardown(trainer, None, "fit")
+
+
+def test_chat_template_wraps_every_benchmark_prompt_after_the_budget_cut(tmp_path, char_tokenizer):
+    """Registered and file benchmarks alike: the cut plain prompt, as a user turn, then the assistant's opening."""
+    chat = build_char_tokenizer("".join(chr(c) for c in range(32, 127)))
+    chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    write_jsonl(tmp_path / "amc23_test.jsonl", [{"problem": "What is 1+1?", "answer": "2"}])
+    sums = BenchmarkFile("sums", str(write_jsonl(tmp_path / "s.jsonl", [{"question": "2+3", "answer": 5}])),
+                         template="Q: {question} =")  # fmt: skip
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+
+    def suites(tokenizer, chat_template):
+        engine, scorer = ScriptedEngine(tokenizer, {}, {}), CompletionScorer(exact_match, "exact_match")
+        callback = Evaluation(benchmarks=["amc23", sums], data_dir=str(tmp_path), max_prompt_tokens=30, engine=engine,
+                              tokenizer=tokenizer, scorer=scorer, chat_template=chat_template)  # fmt: skip
+        callback.setup(trainer, None, "fit")
+        return callback.suites
+
+    plain, wrapped = suites(chat, False), suites(chat, True)
+    assert len(plain[0].prompts[0].text) == 30 and plain[0].prompts[0].text.endswith("Solution:")  # cut, then wrapped
+    for before, after in zip(plain, wrapped, strict=True):
+        assert [(p.id, f"<user>{p.text}<assistant>", p.answer) for p in before.prompts] == [
+            (p.id, p.text, p.answer) for p in after.prompts]  # fmt: skip
+    with pytest.raises(UserError, match="^Evaluation chat_template: the actor's tokenizer has no chat template"):
+        suites(char_tokenizer, True)
+
+
+def test_evaluate_script_s_chat_template_needs_one(tmp_path, tiny_actor_dir, capsys):
+    sums = write_jsonl(tmp_path / "sums.jsonl", [{"question": "1+1", "answer": 2}])
+    spec = {"name": "sums", "path": str(sums), "template": "{question}=", "scorer": "test_evaluation.exact_match"}
+    args = ["--actor", str(tiny_actor_dir), "--benchmarks", "--benchmark-file", json.dumps(spec), "--samples", "1",
+            "--max-new-tokens", "2", "--chat-template", "--output", str(tmp_path / "out.json")]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        load_script().main(args)
+    assert stop.value.code == 2
+    assert "evaluate.py: error: --chat-template: the actor's tokenizer has no chat template" in capsys.readouterr().err
+    tokenizer = AutoTokenizer.from_pretrained(tiny_actor_dir)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    tokenizer.save_pretrained(tiny_actor_dir)
+    assert load_script().main(args)["benchmarks"]["sums"]["problems"] == 1
 
 
 def test_a_benchmark_file_takes_callables_and_sits_beside_a_registered_benchmark(tmp_path, shared_data):

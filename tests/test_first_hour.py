@@ -201,8 +201,9 @@ def test_a_config_file_that_is_no_mapping_is_named(tmp_path, content, found):
     )
 
 
-def test_progress_every_below_one_is_refused():
+def test_progress_every_and_the_prompt_budget_below_one_are_refused():
     assert "--progress_every=0 must be >= 1" in parse_problems("--progress_every", "0")
+    assert "--data.max_prompt_tokens=0 must be >= 1" in parse_problems("--data.max_prompt_tokens", "0")
 
 
 @pytest.mark.slow
@@ -381,6 +382,23 @@ def test_a_run_without_a_logger_name_is_named_after_its_task_and_model(tmp_path)
     assert config.trainer.logger.init_args.name == "math_Qwen3-4B-Base"
 
 
+@pytest.mark.parametrize(
+    ("configs", "folder"),
+    [([], "runs/addition_tiny"), (["qwen3_4b.yaml"], "runs/math_Qwen3-4B-Base"),
+     (["qwen3_4b.yaml", "model/qwen3_8b.yaml", "experiment/simulated_async.yaml"],
+      "runs/simulated_async/math_Qwen3-8B-Base")],
+)  # fmt: skip
+def test_the_shipped_configs_name_their_run_folder_after_task_and_model_for_fit_and_export(configs, folder):
+    from pathlib import Path
+
+    from lit_gmc.export import run_checkpoint_dir
+
+    paths = [str(Path(__file__).parents[1] / "configs" / name) for name in configs]
+    config = ParseOnly(args=["fit", *(arg for path in paths for arg in ("--config", path))]).config.fit
+    assert config.checkpoint.dirpath == f"{folder}/checkpoints"
+    assert run_checkpoint_dir(paths) == Path(folder, "checkpoints")  # export's --ckpt_path last looks there too
+
+
 def test_the_cli_offers_fit_and_export_under_its_own_name(capsys):
     with pytest.raises(SystemExit):
         GMCCLI(args=["--help"])
@@ -444,6 +462,8 @@ def test_prompts_that_leave_no_room_in_the_actor_s_context_are_refused_at_start_
         "prompt 7 of the task is 62 tokens, and with --data.max_new_tokens 8 that is more than the 64 tokens "
         "--model.actor tiny can attend to; shorten"
     )
+    with pytest.warns(UserWarning, match="cut the beginning of 1 of 2 training prompts"):  # the budget makes room
+        fit(config, "--data.max_new_tokens", "8", "--data.max_prompt_tokens", "20")
 
 
 class CheckedEngine:
@@ -474,3 +494,54 @@ def test_an_engine_s_own_preflight_is_asked_and_a_vllm_engine_needs_vllm(monkeyp
     )
     [problem] = preflight.engine_problems(VLLMEngine, {}, "tiny")
     assert problem.startswith("--data.engine VLLMEngine needs vLLM, which is not installed here: pip install -e")
+
+
+SETUP_TASK = """
+from collections.abc import Sequence
+from dataclasses import replace
+
+from lit_gmc.data.tasks import Prompt
+
+
+class Padded:
+    '''Prompts made in setup(tokenizer), as Math and Addition make theirs: a long preamble before each sum.'''
+
+    def __init__(self) -> None:
+        self.prompts = [Prompt(0, "1+1=", "2"), Prompt(7, "2+2=", "4")]
+
+    def setup(self, tokenizer) -> None:
+        self.prompts = [replace(p, text="0+" * (20 + 2 * p.id) + p.text) for p in self.prompts]
+
+    def train_prompts(self) -> Sequence[Prompt]:
+        return self.prompts
+
+    def test_prompts(self) -> Sequence[Prompt]:
+        return self.prompts[:1]
+
+    def score(self, completions: Sequence[str], answer: str) -> list[float]:
+        return [float(c.strip() == answer) for c in completions]
+"""
+
+
+def test_prompts_made_in_setup_are_checked_against_the_context_and_cut_by_the_budget(tmp_path, monkeypatch):
+    """Through ``lit_gmc fit``: one line with status 2 naming prompt 7 (72 tokens + 4 > 64), then a budget of 40."""
+    from lit_gmc.__main__ import main
+
+    (tmp_path / "padded_task.py").write_text(SETUP_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_config(tmp_path, "padded", total=1, task={"class_path": "padded_task.Padded"})
+    monkeypatch.setattr("sys.argv", ["lit_gmc", "fit", "--config", str(config)])
+    stderr = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 2
+    assert stderr.getvalue().strip().splitlines()[-1] == (
+        "lit_gmc: error: prompt 7 of the task is 72 tokens, and with --data.max_new_tokens 4 that is more than the 64 "
+        "tokens --model.actor tiny can attend to; shorten the task's prompts (--data.max_prompt_tokens N keeps the "
+        "last N tokens of each) or lower --data.max_new_tokens"
+    )
+    with pytest.warns(UserWarning, match=r"--data.max_prompt_tokens 40: cut the beginning of 2 of 2 training prompts"):
+        cli = fit(config, "--data.max_prompt_tokens", "40", "--trainer.logger.init_args.name", "padded_cut")
+    served = {prompt.id: prompt.text for prompt in cli.datamodule.stream.prompts}
+    assert served == {0: ("0+" * 20 + "1+1=")[-40:], 7: ("0+" * 34 + "2+2=")[-40:]}  # one token per character

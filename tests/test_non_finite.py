@@ -13,20 +13,26 @@ from run_helpers import tiny_data
 from lit_gmc import objectives as O
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
-from lit_gmc.data.datamodule import checked_rewards
+from lit_gmc.data.tasks import Reward
+from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 
 
-def test_checked_rewards_accepts_finite_numbers_and_names_the_bad_one():
+def test_rewards_are_finite_numbers_or_one_message_naming_the_function_the_prompt_and_the_values():
     def exact(completions, answer):
-        return [1.0] * len(completions)
+        return returned
 
-    assert checked_rewards([1, 0.5, True], 3, exact, 7) == [1.0, 0.5, 1.0]
-    for bad in (math.nan, math.inf, -math.inf, "x", None):
-        with pytest.raises(ValueError, match=r"reward .*exact gave .* for response 1 of prompt 7: rewards must be"):
-            checked_rewards([0.0, bad, 1.0], 3, exact, 7)
-    with pytest.raises(ValueError, match="returned 2 rewards for prompt 7, expected 3"):
-        checked_rewards([0.0, 1.0], 3, exact, 7)
+    reward = Reward(exact, "exact")
+    returned = [1, 0.5, True]
+    assert reward(["a", "b", "c"], "a", prompt_id=7) == [1.0, 0.5, 1.0]
+    for bad in (math.nan, math.inf, -math.inf):
+        returned = [0.0, bad, 1.0]
+        with pytest.raises(UserError) as caught:
+            reward(["a", "b", "c"], "a", prompt_id=7)
+        assert str(caught.value) == (
+            f"reward exact gave {bad!r} for response 1 of prompt 7 (rewards [0.0, {bad!r}, 1.0]): rewards must be "
+            "finite numbers"
+        )
 
 
 def nan_reward(completions, answer):
@@ -44,7 +50,7 @@ def run(module: GMCModule, **data) -> None:
 def test_a_nan_reward_stops_the_run_where_it_enters():
     module = GMCModule(max_response_length=4)
     before = {k: v.clone() for k, v in module.actor.state_dict().items()}
-    with pytest.raises(ValueError, match=r"reward .*nan_reward gave nan for response 0 of prompt \d+"):
+    with pytest.raises(UserError, match=r"^reward --data.reward .*nan_reward gave nan for response 0 of prompt \d+ "):
         run(module, reward=nan_reward)
     assert all(torch.equal(before[k], v) for k, v in module.actor.state_dict().items())
 

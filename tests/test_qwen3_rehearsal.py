@@ -108,7 +108,7 @@ def test_the_qwen3_config_runs_end_to_end_on_cpu(suite, tmp_path, shared_data, c
         whole = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4))
         assert whole.returncode == 0, whole.stderr[-5000:]
 
-    logger_dir = tmp_path / "runs" / (suite or "") / "qwen3_4b"
+    logger_dir = tmp_path / "runs" / (suite or "") / "math_actor"  # <task>_<model>: the actor is tmp_path / "actor"
     checkpoints = logger_dir / "checkpoints"
     saved = {torch.load(p, weights_only=True)["global_step"] for p in checkpoints.glob("*.ckpt")}
     assert saved == {2, 4}  # at_steps, and last.ckpt at the end
