@@ -113,14 +113,10 @@ class DelayAccounting(pl.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
         if step % self.histogram_every_n_steps == 0:
-            self._histogram(trainer, delays, step)
-
-    @staticmethod
-    def _histogram(trainer: pl.Trainer, delays: torch.Tensor, step: int) -> None:
-        for logger in trainer.loggers:
-            add_histogram = getattr(getattr(logger, "experiment", None), "add_histogram", None)
-            if add_histogram is not None:
-                add_histogram("delay/histogram", delays.float().flatten(), global_step=step)
+            for logger in trainer.loggers:
+                add_histogram = getattr(getattr(logger, "experiment", None), "add_histogram", None)
+                if add_histogram is not None:
+                    add_histogram("delay/histogram", delays.float().flatten(), global_step=step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -63,7 +63,6 @@ ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
 GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
 HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
               "response_lengths": "response_length", "entropy": "entropy"}  # fmt: skip
-QUANTILE_LIMIT = 2**24  # torch.quantile refuses inputs with more elements than this
 
 
 def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -85,8 +84,7 @@ def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
             sizes[kind][key] = value.numel()
         if len(set(sizes[kind].values())) > 1:
             raise ValueError(f"diagnostics {kind} keys disagree in length: {sizes[kind]}")
-    for key in ("entropy", "schedule/draining"):
-        want = 1 if key == "entropy" else 0
+    for key, want in (("entropy", 1), ("schedule/draining", 0)):
         if key in stats and (not isinstance(stats[key], Tensor) or stats[key].dim() != want):
             raise ValueError(f"diagnostics key {key!r} must be a {want}-D tensor, got {stats[key]!r:.80}")
     rows = next(iter(sizes["rows"].values()), None)
@@ -95,23 +93,6 @@ def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
         raise ValueError(f"diagnostics rows ({rows}, from {list(sizes['rows'])}) are not a multiple of groups "
                          f"({groups}, from {list(sizes['groups'])})")  # fmt: skip
     return rows, groups
-
-
-def quantiles(values: Tensor, qs: Sequence[float], limit: int = QUANTILE_LIMIT) -> Tensor:
-    """``torch.quantile(values, qs)`` (linear interpolation; NaN if any value is NaN), at any size. ``(len(qs),)``.
-
-    ``torch.quantile`` refuses more than ``limit`` (2**24) elements; past that the values are sorted and neighbours
-    interpolated with ``torch.lerp``, the steps and the rounding ``torch.quantile`` itself takes.
-    """
-    flat = values.flatten()  # (n,)
-    q = torch.tensor(qs, dtype=flat.dtype, device=flat.device)  # (k,)
-    if flat.numel() <= limit:
-        return torch.quantile(flat, q)
-    ordered = flat.sort().values  # (n,)
-    position = q * (flat.numel() - 1)  # (k,)
-    below = position.floor()  # (k,)
-    low, high = ordered[below.long()], ordered[position.ceil().long()]  # (k,) each
-    return torch.where(flat.isnan().any(), torch.nan, torch.lerp(low, high, position - below))  # (k,)
 
 
 def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,8 +125,8 @@ def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
 def tied_fraction(rewards: Tensor, group_size: int) -> Tensor:
     """Share of groups whose rewards all equal their first exactly (NaN never ties), a float32 0-D tensor.
 
-    The value of ``lit_gmc.objectives.zero_variance_fraction``, restated so that the callback depends on no
-    lit_gmc module; NaN for no groups.
+    The groups whose advantages ``lit_gmc.objectives.tied_groups`` sets to 0, restated so that the callback depends
+    on no lit_gmc module; NaN for no groups.
     """
     grouped = rewards.reshape(-1, group_size)  # (B, G)
     return (grouped == grouped[:, :1]).all(-1).float().mean()
@@ -265,7 +246,7 @@ def step_tensors(
                     "log_rho/abs_mean": lr.abs().mean()})  # fmt: skip
     if "log_rho_bar" in values:
         lb = values["log_rho_bar"]  # (B,)
-        median, q90 = quantiles(lb, [0.5, 0.9])
+        median, q90 = torch.quantile(lb, lb.new_tensor([0.5, 0.9]))  # linear interpolation, numpy's default
         out.update({"rho_bar/log_mean": lb.mean(), "rho_bar/log_median": median, "rho_bar/log_q90": q90,
                     "rho_bar/log_max": lb.amax()})  # fmt: skip
     for key, tag, cap in (

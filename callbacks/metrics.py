@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+from torchmetrics import MeanMetric, Metric
 
 PAPER_KS: tuple[int, ...] = (1, 2, 4, 8, 16)
 
@@ -58,57 +58,44 @@ def _check_correctness(correct: Tensor, dims: int, n: int | None = None) -> Tens
     return values
 
 
-class GreedyAccuracy(Metric):
-    """Fraction of problems whose greedy (T = 0) answer is correct. ``update(correct (P,))``."""
+class GreedyAccuracy(MeanMetric):
+    """Fraction of problems whose greedy (T = 0) answer is correct. ``update(correct (P,))``.
 
-    is_differentiable = False
+    torchmetrics' ``MeanMetric`` kept in float64 (its sums of 0/1 values are exact), with the input checked.
+    """
+
     higher_is_better = True
-    full_state_update = False
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.add_state("correct", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("problems", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.set_dtype(torch.float64)
 
     def update(self, correct: Tensor) -> None:
         """Add ``(P,)`` greedy correctness."""
-        values = _check_correctness(correct, dims=1)
-        self.correct += values.sum()
-        self.problems += values.numel()
-
-    def compute(self) -> Tensor:
-        """Accuracy over every problem seen (on every process)."""
-        return self.correct / self.problems
+        super().update(_check_correctness(correct, dims=1))
 
 
-class AvgAtN(Metric):
+class AvgAtN(MeanMetric):
     """avg@n: mean correctness of ``n`` samples per problem, averaged over problems. ``update(correct (P, n))``.
+
+    torchmetrics' ``MeanMetric`` of the per-problem means, in float64, with the input checked.
 
     Args:
         n: Samples per problem.
     """
 
-    is_differentiable = False
     higher_is_better = True
-    full_state_update = False
 
     def __init__(self, n: int, **kwargs) -> None:
         super().__init__(**kwargs)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
-        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("problems", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.set_dtype(torch.float64)
 
     def update(self, correct: Tensor) -> None:
         """Add ``(P, n)`` sample correctness."""
-        values = _check_correctness(correct, dims=2, n=self.n)  # (P, n)
-        self.total += values.mean(dim=1).sum()
-        self.problems += values.shape[0]
-
-    def compute(self) -> Tensor:
-        """avg@n over every problem seen."""
-        return self.total / self.problems
+        super().update(_check_correctness(correct, dims=2, n=self.n).mean(dim=1))
 
 
 class PassAtK(Metric):

@@ -37,7 +37,7 @@ def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[st
     with torch.no_grad():
         for name, tensor in named_tensors:
             if name not in parameters:
-                raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
+                raise KeyError(f"load_weights: unknown parameter {name!r}")
             parameters[name].copy_(tensor)  # copy_ casts to the target's dtype and device itself
 
 

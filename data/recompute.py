@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup, collate_groups
+from lit_gmc.data.engine_process import copy_weights
 from lit_gmc.data.engines import RolloutEngine, SamplingParams
 from lit_gmc.logprobs import response_logprobs
 
@@ -103,14 +104,10 @@ class BehaviorRecompute:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Load the weights into the copy and the engine, under one lock."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        with self._lock, torch.no_grad():
+        with self._lock:
             if named:  # the learner's own tensors, unless WeightSync casts them (its dtype option): then not exact
                 self.model.to(device=named[0][1].device, dtype=named[0][1].dtype)
-            params = dict(self.model.named_parameters())
-            for name, tensor in named:
-                if name not in params:
-                    raise KeyError(f"recompute_behavior_logprobs: unknown parameter {name!r}")
-                params[name].copy_(tensor)
+            copy_weights(dict(self.model.named_parameters()), named)
             self.engine.load_weights(named, version)
 
     def generate(self, prompts, n: int, sampling: SamplingParams) -> list[RolloutGroup]:
@@ -123,10 +120,9 @@ class BehaviorRecompute:
         batch = collate_groups(groups, pad_id=self.pad_id)  # the learner's layout of a batch of these groups
         device = next(self.model.parameters()).device
         per_pass = self.micro_batch_groups or len(groups)
-        starts = range(0, len(groups), per_pass)
         scored = []
-        for start in starts:
-            part = batch.groups_slice(start, min(start + per_pass, len(groups))) if len(starts) > 1 else batch
+        for start in range(0, len(groups), per_pass):
+            part = batch.groups_slice(start, min(start + per_pass, len(groups)))
             with torch.no_grad(), self.forward_context():
                 logprobs, _ = response_logprobs(self.model, part.input_ids.to(device), part.attention_mask.to(device),
                                                 part.prompt_width, temperature=temperature,

@@ -204,9 +204,7 @@ class MathVerifier:
             if answer and len(answer) <= self.max_answer_chars and isinstance(reference, str):
                 jobs.append((index, reference, answer))
         shares = [jobs[k :: self.num_workers] for k in range(self.num_workers) if jobs[k :: self.num_workers]]
-        if len(shares) == 1:
-            self._run(shares[0], out)
-        elif shares:
+        if shares:
             with ThreadPoolExecutor(len(shares)) as pool:
                 list(pool.map(lambda share: self._run(share, out), shares))
         return out

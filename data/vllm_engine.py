@@ -38,15 +38,13 @@ _IN_PROCESS_LOCK = threading.Lock()
 _in_process_open: list[VLLMEngine] = []
 
 
-class _QuietRotaryReload(logging.Filter):
+def _not_rotary_reload(record: logging.LogRecord) -> bool:
     """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, which every in-place reload prints.
 
     Rotary tables are computed, not loaded, and vLLM puts them back unchanged; with one reload per optimizer
     step the warning would flood the log while meaning nothing.
     """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+    return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 def import_vllm():
@@ -56,8 +54,8 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(f"VLLMEngine needs vLLM: {INSTALL_HINT}") from err
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _QuietRotaryReload) for f in reload_logger.filters):
-        reload_logger.addFilter(_QuietRotaryReload())
+    if _not_rotary_reload not in reload_logger.filters:
+        reload_logger.addFilter(_not_rotary_reload)  # a logging filter may be a plain function
     return vllm
 
 

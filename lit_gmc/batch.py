@@ -67,6 +67,8 @@ class RolloutGroup:
 class RolloutBatch:
     """B groups of G responses collated for one optimizer update (rows are group-major: row = b * G + i).
 
+    Lightning moves it to the learner's device field by field, as it moves any dataclass.
+
     Attributes:
         input_ids: ``(N, P + L)`` prompt (left-padded) then response (right-padded), ``N = B * G``.
         attention_mask: ``(N, P + L)`` True on real tokens.
@@ -190,11 +192,6 @@ class RolloutBatch:
     def delays(self, step: int) -> Tensor:
         """``(N,)`` delay ``tau = step - s`` of every row when consumed at optimizer step ``step``."""
         return (step - self.versions).repeat_interleave(self.group_size)
-
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        """A copy of the batch with every tensor field moved to ``device``."""
-        moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
-        return RolloutBatch(**moved)
 
     def groups_slice(self, start: int, stop: int) -> RolloutBatch:
         """The sub-batch of groups ``start:stop`` (used for micro-batching whole groups)."""

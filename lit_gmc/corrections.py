@@ -4,7 +4,8 @@ Every rule is a subclass of :class:`Correction` in its own file under :mod:`lit_
 threshold(s) under its own name (GMC's ``cap``, GRPO's ``clip``, VCPO's ``c``, ...) and its loss ``aggregation``.
 LightningCLI builds it from ``class_path`` + ``init_args`` like a delay schedule, so ``--model.correction GRPO
 --model.correction.clip 0.25`` works and an option of one rule cannot be given to another. The registry is the set
-of subclasses (:func:`registered_rules`); :class:`lit_gmc.module.GMCModule` never branches on the rule.
+of subclasses, which jsonargparse resolves by short name; :class:`lit_gmc.module.GMCModule` never branches on the
+rule.
 
 A rule maps the policy terms of a micro-batch of whole groups to a per-token loss (aggregated by the module with
 the batch-wide normaliser) plus detached diagnostics. Rules that change the optimizer step (VCPO's step size,
@@ -18,14 +19,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import torch
 from torch import Tensor
 
 from lit_gmc import objectives as O
 
-AGGREGATIONS = ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
+AGGREGATIONS = get_args(O.Aggregation)  # ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Correction(ABC):
     at once through it) and calls ``super().__init__(aggregation or <its authors' aggregation>)``. A rule's
     ``aggregation`` option defaults to ``None`` rather than its value: jsonargparse carries the options a new
     ``--model.correction`` shares with the previous one over to it, and a default written out would then replace
-    the new rule's own.
+    the new rule's own. A rule with one threshold names it in ``threshold_option``, and it is logged every update.
 
     Args:
         aggregation: ``seq_sum_over_T`` (the paper's ``1/(T B G)``), ``token_mean`` or ``seq_mean_token_mean``.
@@ -101,6 +102,9 @@ class Correction(ABC):
     needs_grad_norms: ClassVar[bool] = False
     """The rule reads ``PolicyTerms.grad_norms_sq``; the module then computes them (costly: one extra backward per
     trajectory), so only rules that need them ask."""
+
+    threshold_option: ClassVar[str | None] = None
+    """The option logged as ``correction/eps`` at every update (``"clip"``, ``"c"``...); None for a rule without."""
 
     def __init__(self, aggregation: O.Aggregation) -> None:
         self.aggregation = aggregation
@@ -116,8 +120,8 @@ class Correction(ABC):
 
     @property
     def threshold(self) -> float | None:
-        """This update's threshold, logged as ``correction/eps`` (cap, clip, ``c``...); None for a rule without."""
-        return None
+        """This update's threshold, logged as ``correction/eps``: the value of :attr:`threshold_option`."""
+        return None if self.threshold_option is None else getattr(self, self.threshold_option)
 
     def begin_update(self, delays: Tensor, total_updates: int) -> None:
         """Called once per update, in order, before its loss, with the ``(n,)`` delays of the whole batch.
@@ -149,20 +153,6 @@ class Correction(ABC):
     def option_problems(aggregation: str | None) -> list[str]:
         """Every problem with the options, one line each, named like the init args."""
         return aggregation_problem(aggregation)
-
-
-def registered_rules() -> dict[str, type[Correction]]:
-    """Every rule class by its short name, alphabetically (the subclasses of :class:`Correction` imported so far)."""
-    import lit_gmc.rules  # noqa: F401  (the built-in rules register by being imported)
-
-    found: dict[str, type[Correction]] = {}
-    pending = list(Correction.__subclasses__())
-    while pending:
-        cls = pending.pop(0)
-        if not getattr(cls, "__abstractmethods__", None):
-            found.setdefault(cls.__name__, cls)
-        pending.extend(cls.__subclasses__())
-    return dict(sorted(found.items()))
 
 
 def trajectory_output(

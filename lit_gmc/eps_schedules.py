@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 
+from lit_gmc.corrections import positive_problem
+
 
 def corollary1_problems(cap_scale: float, cap_min: float, cap_max: float) -> list[str]:
     """Every problem with the schedule's options, one line each, named like GMC's init args."""
-    problems = []
-    if not (cap_scale > 0 and math.isfinite(cap_scale)):
-        problems.append(f"cap_scale={cap_scale} must be finite and > 0")
+    problems = positive_problem("cap_scale", cap_scale)
     if not cap_min > 0:
         problems.append(f"cap_min={cap_min} must be > 0")
     if not (cap_max >= cap_min and math.isfinite(cap_max)):

@@ -50,11 +50,6 @@ def validate_model_args(
     return problems
 
 
-def joined(parts: list[Tensor]) -> Tensor:
-    """``torch.cat(parts)``; the one part itself when there is one (one micro-batch), rather than a copy of it."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def default_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The configs' optimizer: torch's AdamW with lr 2e-4, betas (0.9, 0.999) and no weight decay."""
     return torch.optim.AdamW(parameters, lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0)
@@ -251,8 +246,7 @@ class GMCModule(pl.LightningModule):
         starts = range(0, batch.num_groups, per_pass)
         for start in starts:
             stop = min(start + per_pass, batch.num_groups)
-            # One pass (the tiny default): the batch itself rather than a copy of it sliced tensor by tensor.
-            part = batch.groups_slice(start, stop) if len(starts) > 1 else batch
+            part = batch.groups_slice(start, stop)  # views
             part_delays = delays[start * batch.group_size : stop * batch.group_size]  # (n_part,), a view
             loss, out, entropy, current = self.micro_batch_loss(batch, part, part_delays)
             # DDP: gradients are all-reduced once, with the last micro-batch (FSDP2 reduce-scatters each one, which
@@ -264,9 +258,9 @@ class GMCModule(pl.LightningModule):
             outputs.append(out)
             entropies.append(entropy.masked_select(part.response_mask))
             logprobs.append(current)
-        stats = self.collect_stats(batch, delays, outputs, joined(entropies), joined(logprobs))
+        stats = self.collect_stats(batch, delays, outputs, torch.cat(entropies), torch.cat(logprobs))
         step, lr = self.global_step, optimizer.param_groups[0]["lr"]
-        loss = sum_across(losses[0] if len(losses) == 1 else torch.stack(losses).sum())  # one pass: its loss as is
+        loss = sum_across(torch.stack(losses).sum())
         # Checked as Python floats: a 0-dim torch.isfinite costs ~10 us, float() ~0.3 (the same sync on a GPU).
         if not math.isfinite(float(loss)):
             raise FloatingPointError(f"update {step}: the loss is {float(loss)}; the weights were not changed")
@@ -314,9 +308,9 @@ class GMCModule(pl.LightningModule):
         so the statistics are those of the whole batch, as in a single-process run. ``delays`` is ``(n,)``.
         """
         rows = {
-            "log_rho": joined([o.log_rho for o in outputs]),
-            "coefficients": joined([o.coefficients for o in outputs]),
-            "advantages": joined([o.advantages for o in outputs]),
+            "log_rho": torch.cat([o.log_rho for o in outputs]),
+            "coefficients": torch.cat([o.coefficients for o in outputs]),
+            "advantages": torch.cat([o.advantages for o in outputs]),
             "rewards": batch.rewards,
             "response_lengths": batch.response_mask.sum(-1),
             "delays": delays,
@@ -340,10 +334,8 @@ class GMCModule(pl.LightningModule):
         stats.update(zip(scalars, log_rho.new_tensor(list(scalars.values())).unbind(), strict=True))
         # Engine/trainer mismatch |l - log pi_theta_s|, measurable where the behaviour version is the current one.
         on_policy = delays == 0  # (n,)
-        gap, mask = batch.behavior_logprobs - logprobs, batch.response_mask  # (n, L) each
-        if not on_policy.all():  # all rows fresh (Sync) needs no row copies
-            gap, mask = gap[on_policy], mask[on_policy]
-        gap = gather_ragged(gap.masked_select(mask).abs())
+        gap = (batch.behavior_logprobs - logprobs)[on_policy]  # (n_on, L)
+        gap = gather_ragged(gap.masked_select(batch.response_mask[on_policy]).abs())
         if gap.numel():
             stats["mismatch/abs_mean"], stats["mismatch/abs_max"] = gap.mean(), gap.max()
         extras: dict[str, list[Tensor]] = {}

@@ -104,14 +104,12 @@ def monitored_schedule_problem(cls: type, class_path: str) -> list[str]:
             "without one: use a step-based schedule (e.g. lit_gmc.optim.CosineWithWarmup)"]  # fmt: skip
 
 
-def build_scheduler(spec: SchedulerSpec | None, optimizer: Optimizer) -> LRScheduler | None:
-    """The schedule of ``spec`` on ``optimizer`` (None: a constant learning rate).
+def build_scheduler(spec: SchedulerSpec, optimizer: Optimizer) -> LRScheduler:
+    """The schedule of ``spec`` on ``optimizer``.
 
     The module steps it once per update, without a metric, so a schedule that needs one (``ReduceLROnPlateau``)
     is refused.
     """
-    if spec is None:
-        return None
     scheduler = from_spec(spec, optimizer, "--lr_scheduler", object)
     problems = monitored_schedule_problem(type(scheduler), type(scheduler).__name__)
     if problems:

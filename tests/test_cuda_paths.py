@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lit_gmc.actor import TinyRecipe, build_tiny_model
 from lit_gmc.batch import collate_groups
@@ -57,7 +58,7 @@ def perturbed(model, scale=0.05, seed=0):
 
 def gaps(groups, model, pad_id) -> tuple[float, float]:
     """Mean and max |engine log-prob - learner log-prob under ``model``| over real response tokens."""
-    batch = collate_groups(groups, pad_id=pad_id).to(model.device)
+    batch = move_data_to_device(collate_groups(groups, pad_id=pad_id), model.device)  # as Lightning moves a batch
     with torch.no_grad():
         lp, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width)
     gap = (batch.behavior_logprobs - lp.float())[batch.response_mask].abs()

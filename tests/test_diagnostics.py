@@ -28,7 +28,6 @@ from lit_gmc.callbacks.diagnostics import (
     check_stats,
     merged,
     pearson,
-    quantiles,
     step_scalars,
     tied_fraction,
 )
@@ -156,23 +155,6 @@ def test_cross_rule_shares_use_the_callbacks_own_thresholds(gmc_cap, tic_cap):
     assert (callback.gmc_cap, callback.tic_cap) == (gmc_cap, tic_cap)
 
 
-def test_quantiles_are_numpys_linear_quantiles_at_every_size():
-    """``torch.quantile`` below the limit, sorting above it: both the direct float64 definition, NaN included."""
-    rng = np.random.default_rng(0)
-    qs = [0.0, 0.1, 0.5, 0.9, 1.0]
-    for _ in range(200):
-        values = rng.normal(size=rng.integers(1, 40)) * rng.choice([1e-3, 1.0, 1e3])
-        want = np.quantile(values, qs)  # numpy's default: linear interpolation between neighbours
-        for limit in (2**24, 0):  # 0: every input takes the sorting path
-            got = quantiles(torch.from_numpy(values), qs, limit=limit).numpy()
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
-        assert torch.equal(quantiles(torch.from_numpy(values), qs, limit=0), quantiles(torch.from_numpy(values), qs))
-    for values in ([1.0, math.inf], [-math.inf, 1.0], [-math.inf, math.inf], [math.inf, math.inf], [1.0, math.nan]):
-        tensor = torch.tensor(values, dtype=torch.float64)
-        want = torch.quantile(tensor, torch.tensor([0.5, 0.9], dtype=torch.float64))
-        np.testing.assert_array_equal(quantiles(tensor, [0.5, 0.9], limit=0).numpy(), want.numpy())
-
-
 def test_step_scalars_propagate_a_non_finite_ratio_as_torch_does():
     stats = fake_stats(2)
     stats["log_rho"] = stats["log_rho"].clone()
@@ -235,30 +217,28 @@ def test_pearson_matches_numpy_and_is_undefined_where_it_should_be():
     )  # integer tensors (delays, lengths)
 
 
-def test_tied_fraction_is_zero_variance_fraction():
-    """Diagnostics' share of tied groups is the learner's ``zero_variance_fraction``, the same float32."""
-    from lit_gmc.objectives import zero_variance_fraction
-
+def test_tied_fraction_against_a_loop_over_groups():
+    """Diagnostics' share of tied groups: a float32 share of groups whose rewards all equal their first exactly."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(400):
-        group_size, groups = 1 + trial % 7, 1 + trial % 23  # shares like 1/3 and 5/7 round to float32
+        group_size, groups = 1 + trial % 7, 1 + trial % 23
         rewards = torch.randint(0, 1 + trial % 3, (groups * group_size,), generator=gen).double() * 0.7
         if trial % 5 == 0:
             rewards[trial % rewards.numel()] = math.nan  # NaN ties with nothing, itself included
+        rows = rewards.tolist()
+        tied = sum(all(r == rows[b * group_size] for r in rows[b * group_size : (b + 1) * group_size])
+                   for b in range(groups))  # fmt: skip
         for dtype in (torch.float32, torch.float64):
-            values = rewards.to(dtype)
-            got = tied_fraction(values, group_size)
-            assert got.dtype == torch.float32 and float(got) == zero_variance_fraction(values, group_size)
+            got = tied_fraction(rewards.to(dtype), group_size)
+            assert got.dtype == torch.float32 and float(got) == pytest.approx(tied / groups, rel=1e-7)
     assert math.isnan(float(tied_fraction(torch.empty(0), 4)))
     assert float(tied_fraction(torch.tensor([math.nan] * 4 + [0.5] * 4), 4)) == 0.5
 
 
-def test_zero_variance_fraction_by_hand():
-    from lit_gmc.objectives import zero_variance_fraction
-
+def test_tied_fraction_by_hand():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.5])
-    assert zero_variance_fraction(rewards, 2) == 0.75
-    assert zero_variance_fraction(rewards, 4) == 0.0
+    assert float(tied_fraction(rewards, 2)) == 0.75
+    assert float(tied_fraction(rewards, 4)) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 from run_helpers import component, fit, write_config
 from test_cli import parse
 
-from lit_gmc.corrections import registered_rules
+import lit_gmc.rules
 from lit_gmc.eps_schedules import corollary1_eps, corollary1_problems
 from lit_gmc.errors import UserError
 from lit_gmc.rules import GMC
@@ -67,7 +67,7 @@ def test_the_cap_must_be_finite_and_positive(cap):
     """An infinite 1 + eps cap would silently turn GMC and TIC into unclipped IS."""
     for rule in ("GMC", "TIC"):
         with pytest.raises(ValueError, match=f"cap={cap} must be finite and > 0"):
-            registered_rules()[rule](cap=cap)
+            getattr(lit_gmc.rules, rule)(cap=cap)
 
 
 def test_validation_collects_every_problem():
@@ -108,7 +108,7 @@ def test_corollary1_is_gmc_only_and_the_refusal_names_the_flag_and_the_reason(ru
     refused in one line naming the flag, the rule and the reason."""
     gmc = parse("--model.correction.cap_schedule", "corollary1").model.correction
     assert gmc.init_args.cap_schedule == "corollary1"
-    assert "cap_schedule" not in registered_rules()[rule].__init__.__code__.co_varnames
+    assert "cap_schedule" not in getattr(lit_gmc.rules, rule).__init__.__code__.co_varnames
     with pytest.raises(UserError) as refused:
         parse("--model.correction", rule, "--model.correction.cap_schedule", "corollary1")
     message = str(refused.value)

@@ -35,6 +35,8 @@ class A3PO(Correction):
             tokens).
     """
 
+    threshold_option = "clip"
+
     def __init__(
         self, clip: float = 0.2, behavior_cap: float | None = None, aggregation: O.Aggregation | None = None
     ) -> None:
@@ -47,11 +49,6 @@ class A3PO(Correction):
         """Every problem with A-3PO's options, one line each."""
         capped = positive_problem("behavior_cap", behavior_cap) if behavior_cap is not None else []
         return positive_problem("clip", clip) + capped + aggregation_problem(aggregation)
-
-    @property
-    def threshold(self) -> float:
-        """The clip."""
-        return self.clip
 
     def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
         """The decoupled PPO-clip loss against the proximal policy, weighted by ``pi_prox / pi_b``."""

@@ -20,6 +20,8 @@ class CISPO(Correction):
         aggregation: Loss aggregation; ``null``: the authors' ``token_mean``.
     """
 
+    threshold_option = "eps_high"
+
     def __init__(self, eps_high: float = 0.28, aggregation: O.Aggregation | None = None) -> None:
         check_options("CISPO", self.option_problems(eps_high, aggregation))
         super().__init__(aggregation or "token_mean")
@@ -29,11 +31,6 @@ class CISPO(Correction):
     def option_problems(eps_high: float, aggregation: str | None) -> list[str]:
         """Every problem with CISPO's options, one line each."""
         return positive_problem("eps_high", eps_high) + aggregation_problem(aggregation)
-
-    @property
-    def threshold(self) -> float:
-        """``eps_high``."""
-        return self.eps_high
 
     def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
         """Truncated token ratios with group-normalised advantages."""

@@ -57,14 +57,11 @@ class GAC(GRPO):
     @staticmethod
     def option_problems(clip: float, cosine_low: float, cosine_high: float, aggregation: str | None) -> list[str]:
         """Every problem with GAC's options, one line each."""
-        return GRPO.option_problems(clip, aggregation) + GAC.cosine_problems(cosine_low, cosine_high)
-
-    @staticmethod
-    def cosine_problems(cosine_low: float, cosine_high: float) -> list[str]:
-        """The thresholds must satisfy ``-1 < cosine_low < cosine_high < 1``."""
-        if -1.0 < cosine_low < cosine_high < 1.0:
-            return []
-        return [f"cosine_low={cosine_low}, cosine_high={cosine_high} must satisfy -1 < cosine_low < cosine_high < 1"]
+        problems = GRPO.option_problems(clip, aggregation)
+        if not -1.0 < cosine_low < cosine_high < 1.0:
+            problems.append(f"cosine_low={cosine_low}, cosine_high={cosine_high} must satisfy -1 < cosine_low < "
+                            "cosine_high < 1")  # fmt: skip
+        return problems
 
     def before_step(
         self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]

@@ -34,6 +34,8 @@ class GRPO(Correction):
         aggregation: Loss aggregation; ``null``: the authors' ``seq_mean_token_mean``.
     """
 
+    threshold_option = "clip"
+
     def __init__(self, clip: float = 0.2, aggregation: O.Aggregation | None = None) -> None:
         check_options("GRPO", GRPO.option_problems(clip, aggregation))
         super().__init__(aggregation or "seq_mean_token_mean")
@@ -43,11 +45,6 @@ class GRPO(Correction):
     def option_problems(clip: float, aggregation: str | None) -> list[str]:
         """Every problem with the options, one line each."""
         return positive_problem("clip", clip) + aggregation_problem(aggregation)
-
-    @property
-    def threshold(self) -> float:
-        """The clip."""
-        return self.clip
 
     def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
         """The PPO-clip token loss."""

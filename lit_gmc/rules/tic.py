@@ -24,6 +24,8 @@ class TIC(Correction):
         aggregation: Loss aggregation; ``null``: the paper's ``seq_sum_over_T`` (``1/(T B G)``).
     """
 
+    threshold_option = "cap"
+
     def __init__(self, cap: float = 0.28, aggregation: O.Aggregation | None = None) -> None:
         check_options("TIC", self.option_problems(cap, aggregation))
         super().__init__(aggregation or "seq_sum_over_T")
@@ -33,11 +35,6 @@ class TIC(Correction):
     def option_problems(cap: float, aggregation: str | None) -> list[str]:
         """Every problem with TIC's options, one line each."""
         return positive_problem("cap", cap) + aggregation_problem(aggregation)
-
-    @property
-    def threshold(self) -> float:
-        """The cap."""
-        return self.cap
 
     def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
         """TIC's indicator coefficients."""

@@ -29,6 +29,8 @@ class TIS(Correction):
         aggregation: Loss aggregation; ``null``: ``token_mean``.
     """
 
+    threshold_option = "C"
+
     def __init__(self, C: float = 2.0, aggregation: O.Aggregation | None = None) -> None:
         check_options("TIS", self.option_problems(C, aggregation))
         super().__init__(aggregation or "token_mean")
@@ -38,11 +40,6 @@ class TIS(Correction):
     def option_problems(C: float, aggregation: str | None) -> list[str]:
         """Every problem with TIS's options, one line each."""
         return positive_problem("C", C) + aggregation_problem(aggregation)
-
-    @property
-    def threshold(self) -> float:
-        """The cap ``C``."""
-        return self.C
 
     def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
         """Truncated token ratios with group-centred advantages."""

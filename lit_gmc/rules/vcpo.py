@@ -28,6 +28,7 @@ class VCPO(Correction):
         aggregation: Loss aggregation; ``null``: the authors' ``seq_mean_token_mean``.
     """
 
+    threshold_option = "c"
     needs_grad_norms: ClassVar[bool] = True
 
     def __init__(self, c: float = 8.0, aggregation: O.Aggregation | None = None) -> None:
@@ -40,11 +41,6 @@ class VCPO(Correction):
     def option_problems(c: float, aggregation: str | None) -> list[str]:
         """Every problem with VCPO's options, one line each."""
         return positive_problem("c", c) + aggregation_problem(aggregation)
-
-    @property
-    def threshold(self) -> float:
-        """The truncation ``c``."""
-        return self.c
 
     def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
         """Truncated coefficients with the VCPO baseline."""
