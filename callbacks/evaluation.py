@@ -129,7 +129,7 @@ def file_suite(
     """
     from lit_gmc.data.benchmarks import (
         CompletionScorer,
-        load_file_items_and_skipped,
+        load_file_items,
         prompt_builder,
         resolve_callable,
     )
@@ -144,7 +144,7 @@ def file_suite(
             if spec.scorer is None
             else CompletionScorer(resolve_callable(spec.scorer, "scorer"), repr(spec.scorer))
         )
-        items, skipped = load_file_items_and_skipped(spec.path, question=spec.question, answer=spec.answer)
+        items, skipped = load_file_items(spec.path, question=spec.question, answer=spec.answer)
         items = items[:max_problems]
         texts = [build(item.problem) for item in items]
         if max_prompt_tokens is not None:

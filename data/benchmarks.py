@@ -95,20 +95,15 @@ def reference_field(source: DataSource) -> str:
     return found[0]
 
 
-def load_items(source: DataSource) -> list[BenchmarkItem]:
-    """Problems and references of one benchmark source (see the module docstring for the reference fields).
+def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
+    """Problems and references of one benchmark source, and the locations of the rows left out for an empty one.
+
+    The reference fields are in the module docstring. A row left out is one whose reference answer is empty: such
+    a row could only ever score 0 (two rows of Gaokao2023-En on the hub are like this), so it is left out of the
+    benchmark and counted (``skipped`` in the results), never scored.
 
     Raises:
         UserError: For a malformed row, naming its file and line (or its row on the hub) and the column.
-    """
-    return load_items_and_skipped(source)[0]
-
-
-def load_items_and_skipped(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
-    """:func:`load_items`, and the locations of the rows left out because their reference answer is empty.
-
-    Such a row could only ever score 0 (two rows of Gaokao2023-En on the hub are like this), so it is left out of
-    the benchmark and counted (``skipped`` in the results), never scored.
     """
     name = reference_field(source)
     kinds, read = REFERENCE_FIELDS[name]
@@ -122,12 +117,15 @@ def load_items_and_skipped(source: DataSource) -> tuple[list[BenchmarkItem], lis
     return items, skipped
 
 
-def load_file_items(path: str, question: str = "question", answer: str = "answer") -> list[BenchmarkItem]:
+def load_file_items(
+    path: str, question: str = "question", answer: str = "answer"
+) -> tuple[list[BenchmarkItem], list[str]]:
     """Problems and references of a user's benchmark file (``Evaluation``'s ``BenchmarkFile``), read as they are.
 
-    Unlike the registered benchmarks' references, which become LaTeX for the math verifier, a text answer is kept
-    verbatim (the file's own scorer reads it); a number is written as :func:`reference_text` writes it (``27.0``
-    as ``27``), so a file may store numeric answers as numbers.
+    Also the locations (file and line) of the rows left out for an empty answer. Unlike the registered benchmarks'
+    references, which become LaTeX for the math verifier, a text answer is kept verbatim (the file's own scorer
+    reads it); a number is written as :func:`reference_text` writes it (``27.0`` as ``27``), so a file may store
+    numeric answers as numbers.
 
     Args:
         path: A JSON or JSONL file, read with ``load_dataset("json")``.
@@ -138,13 +136,6 @@ def load_file_items(path: str, question: str = "question", answer: str = "answer
         UserError: For a malformed row, naming its file and line and the column.
         UserFileNotFoundError: For a file that does not exist.
     """
-    return load_file_items_and_skipped(path, question, answer)[0]
-
-
-def load_file_items_and_skipped(
-    path: str, question: str = "question", answer: str = "answer"
-) -> tuple[list[BenchmarkItem], list[str]]:
-    """:func:`load_file_items`, and the locations (file and line) of the rows left out for an empty answer."""
     source = DataSource(path, {"problem": question, "answer": answer})
     rows = load_records(source, {"problem": str, "answer": (str, int, float)})
     items, skipped = [], []
@@ -340,7 +331,7 @@ def load_benchmark(
         source = str(Path(data_dir) / spec.filename)
     chosen = resolve_source(source, spec.hub, spec.file_columns, split=split, config=config)
     try:
-        items, skipped = load_items_and_skipped(chosen)
+        items, skipped = load_items(chosen)
     except ConnectionError as err:  # its message says the hub was out of reach (before UserError: it may be one)
         reason = err.__cause__ if isinstance(err, UserError) and err.__cause__ else err  # without the training hint
         raise BenchmarkUnreachable(f"benchmark {name!r}: {reason} (its local copy is {spec.filename})") from err

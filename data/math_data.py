@@ -60,9 +60,6 @@ MATH_TRAIN_SOURCE = DataSource(
 (5,000), columns ``problem``, ``level``, ``solution``, ``type``. Its row order is the hub's, not the local file's
 subject/number order, so problem ids (row indices) differ between the two; the problems are the same."""
 
-DEFAULT_TRAIN_PATH = MATH_TRAIN_SOURCE.path
-DEFAULT_TEST_PATH = "HuggingFaceH4/MATH-500"  # read with the MATH-500 hub spec of lit_gmc.data.benchmarks
-
 INSTRUCTION = (
     "Solve each math problem below. Think it through step by step, showing your reasoning, and write the "
     "final answer inside \\boxed{} at the end."
@@ -311,11 +308,6 @@ class MathTrainSet:
     rows: int
     no_answer: list[int] = field(default_factory=list)
     held_out: list[int] = field(default_factory=list)
-
-    @property
-    def with_answer(self) -> int:
-        """Rows whose reference answer could be extracted (7,498 on the shipped file)."""
-        return self.rows - len(self.no_answer)
 
 
 def load_math_train(

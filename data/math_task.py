@@ -8,7 +8,7 @@ from typing import Any
 
 from lit_gmc.data.components import check_options
 from lit_gmc.data.math_data import (
-    DEFAULT_TRAIN_PATH,
+    MATH_TRAIN_SOURCE,
     MathScorer,
     is_local,
     load_math_train,
@@ -90,7 +90,7 @@ class Math(Task):
         """
         from lit_gmc.preflight import source_problem
 
-        source = path or DEFAULT_TRAIN_PATH
+        source = path or MATH_TRAIN_SOURCE.path
         problems = [source_problem(source, "dataset", "--data.task.path", is_local(source))]
         if tokenizer is not None and tokenizer != "tiny":
             problems.append(source_problem(tokenizer, "model", "--data.task.tokenizer", is_local(tokenizer)))

@@ -244,7 +244,7 @@ class VLLMServers(RolloutEngine):
             # vLLM's IPC trainer engine gathers handles over the default group, but only rank 0 sends here.
             raise RuntimeError("VLLMServers: --data.engine.backend=ipc needs one learner process; use nccl")
         try:
-            self._launch_servers(dtype, cuda)
+            self._launch_servers(dtype, cuda, self.max_model_len or int(config.max_position_embeddings))
             problems = self.preflight_problems(actor)
             if problems:
                 raise RuntimeError("VLLMServers: " + "; ".join(problems))
@@ -254,9 +254,8 @@ class VLLMServers(RolloutEngine):
             self.close()
             raise
 
-    def _launch_servers(self, dtype: str, cuda: bool) -> None:
+    def _launch_servers(self, dtype: str, cuda: bool, longest: int) -> None:
         folder = self.log_folder = Path(tempfile.mkdtemp(prefix="lit_gmc_vllm_serve_"))
-        longest = self.max_model_len or checkpoint_max_len(self.model_path)
         for k in range(self.launch):
             port = free_port()
             command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
@@ -378,7 +377,7 @@ class VLLMServers(RolloutEngine):
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
         """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
-        from lit_gmc.data.vllm_engine import request_seed
+        from lit_gmc.data.vllm_engine import request_seed, rollout_group  # vLLM's side: imported when it samples
 
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -459,20 +458,6 @@ def samples_of(answer: dict):
                [float(lp) for lp in c["logprobs"]["token_logprobs"]], c["finish_reason"] == "stop")
         for c in choices
     ]  # fmt: skip
-
-
-def rollout_group(*args, **kwargs) -> RolloutGroup:
-    """:func:`lit_gmc.data.vllm_engine.rollout_group` (imported late: that module is vLLM's side)."""
-    from lit_gmc.data.vllm_engine import rollout_group as build
-
-    return build(*args, **kwargs)
-
-
-def checkpoint_max_len(model_path: str) -> int:
-    """The checkpoint's ``max_position_embeddings``."""
-    from lit_gmc.data.vllm_engine import checkpoint_config
-
-    return int(checkpoint_config(model_path).max_position_embeddings)
 
 
 def log_tail(log: Path) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import logging
@@ -11,6 +10,7 @@ import sys
 import warnings
 from argparse import ArgumentError
 from importlib.resources import files
+from pkgutil import resolve_name
 from typing import Any
 
 import torch
@@ -31,15 +31,9 @@ from lit_gmc.data.datamodule import RolloutDataModule, TokenizerSetup
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem
-from lit_gmc.parse_errors import (
-    DATA_COMPONENTS,
-    PARSE_ERRORS,
-    import_class,
-    parse_error_message,
-    without_option,
-)
+from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, parse_error_message, without_option
 from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
-from lit_gmc.run_folder import RunFolder, default_run_name, refuse_earlier_checkpoints, saved_version
+from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints
 
 DESCRIPTION = (
     "Asynchronous RL post-training of LLMs on stale rollouts (GMC-GRPO and its baselines), in Lightning. Commands: "
@@ -63,7 +57,7 @@ def collect_problems(config: Namespace) -> list[str]:
         problems.append(f"--progress_every={every} must be >= 1 (or null: about 1% of the run)")
     scheduler = config.get("lr_scheduler")
     if isinstance(scheduler, Namespace) and scheduler.get("class_path"):
-        problems += monitored_schedule_problem(import_class(scheduler.class_path), scheduler.class_path)
+        problems += monitored_schedule_problem(resolve_name(scheduler.class_path), scheduler.class_path)
     return problems
 
 
@@ -92,21 +86,25 @@ def class_problems(spec: object, flag: str) -> list[str]:
     """Problems of the options of a component (``class_path`` + ``init_args``) parsed for ``flag``."""
     if not (isinstance(spec, Namespace) and spec.get("class_path")):
         return []
-    init_args = spec.get("init_args")
-    init_args = init_args.as_dict() if isinstance(init_args, Namespace) else {}
-    return component_problems(import_class(spec.class_path), init_args, flag)
+    return component_problems(resolve_name(spec.class_path), as_dict(spec.get("init_args")) or {}, flag)
 
 
-def checkpoint_dir(logger: object) -> str | None:
-    """``<save_dir>/<name>/checkpoints`` of a parsed logger config; None when it names no ``save_dir``.
+def logger_options(config: Namespace) -> Namespace | None:
+    """The ``init_args`` of the parsed ``--trainer.logger``; None for no logger, or one given without options."""
+    logger = config.trainer.logger
+    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    return init_args if isinstance(init_args, Namespace) else None
+
+
+def checkpoint_dir(config: Namespace) -> str | None:
+    """``<save_dir>/<name>/checkpoints`` of the parsed logger config; None when it names no ``save_dir``.
 
     Fixed for a logger (not per version), so ``--ckpt_path last`` finds the checkpoint from a new version.
     """
-    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
-    save_dir = init_args.get("save_dir") if isinstance(init_args, Namespace) else None
-    if save_dir is None:
+    init_args = logger_options(config)
+    if init_args is None or init_args.get("save_dir") is None:
         return None
-    return os.path.join(str(save_dir), str(init_args.get("name") or ""), "checkpoints")
+    return os.path.join(str(init_args.save_dir), str(init_args.get("name") or ""), "checkpoints")
 
 
 def embedded_default() -> str:
@@ -163,7 +161,8 @@ class GMCCLI(LightningCLI):
 
     def subcommand_config(self) -> Namespace:
         """The parsed config of the subcommand (``fit``, ...), or the whole config without one (``run=False``)."""
-        return self.config[self.subcommand] if self.subcommand else self.config
+        subcommand = self.config.get("subcommand")  # read from the config: self.subcommand is set after parsing
+        return self.config[subcommand] if subcommand else self.config
 
     @override
     def add_arguments_to_parser(self, parser) -> None:
@@ -242,11 +241,10 @@ class GMCCLI(LightningCLI):
 
         Also places the checkpoints beside the logger when ``--checkpoint.dirpath`` is not given.
         """
-        subcommand = self.config.get("subcommand")
-        config = self.config[subcommand] if subcommand else self.config
+        config = self.subcommand_config()
         name_run_after_task(config)
         if config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = checkpoint_dir(config.trainer.logger)
+            config.checkpoint.dirpath = checkpoint_dir(config)
         plan_schedule(config)
         problems = noted + collect_problems(config)
         if problems:
@@ -254,7 +252,7 @@ class GMCCLI(LightningCLI):
         if not config.get("ckpt_path"):
             refuse_earlier_checkpoints(config.checkpoint.dirpath)
         else:
-            settings = run_settings(config) if subcommand == "fit" else None
+            settings = run_settings(config) if self.config.get("subcommand") == "fit" else None
             check_resume(config.ckpt_path, config.checkpoint.dirpath, settings)
             continue_logger_version(config)
 
@@ -355,14 +353,13 @@ def preflight_problems(config: Namespace) -> list[str]:
     engine, task = config.data.engine, config.data.task
     if isinstance(engine, Namespace) and engine.get("class_path"):
         init_args = as_dict(engine.get("init_args")) or {}
-        problems += preflight.engine_problems(import_class(engine.class_path), init_args, config.model.actor)
+        problems += preflight.engine_problems(resolve_name(engine.class_path), init_args, config.model.actor)
     problems.append(preflight.actor_problem(config.model.actor))
-    check = getattr(import_class(task.class_path), "preflight_problems", None) if isinstance(task, Namespace) else None
+    check = getattr(resolve_name(task.class_path), "preflight_problems", None) if isinstance(task, Namespace) else None
     if check is not None:
         problems += check(**(as_dict(task.get("init_args")) or {}))
-    logger = config.trainer.logger
-    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
-    save_dir = init_args.get("save_dir") if isinstance(init_args, Namespace) else None
+    init_args = logger_options(config)
+    save_dir = init_args.get("save_dir") if init_args is not None else None
     unwritable = preflight.writable_problem(save_dir and str(save_dir), "--trainer.logger.init_args.save_dir")
     if unwritable is None and config.checkpoint.dirpath is not None:  # (one line when it lies in the logger's)
         unwritable = preflight.writable_problem(str(config.checkpoint.dirpath), "--checkpoint.dirpath")
@@ -372,9 +369,8 @@ def preflight_problems(config: Namespace) -> list[str]:
 
 def name_run_after_task(config: Namespace) -> None:
     """A logger ``name`` of ``null`` becomes ``<task>_<model>`` (:func:`~lit_gmc.run_folder.default_run_name`)."""
-    logger, task = config.trainer.logger, config.data.task
-    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
-    if isinstance(init_args, Namespace) and "name" in init_args and init_args.name is None:
+    init_args, task = logger_options(config), config.data.task
+    if init_args is not None and "name" in init_args and init_args.name is None:
         task_path = task.class_path if isinstance(task, Namespace) else type(task).__name__
         init_args.name = default_run_name(task_path, str(config.model.actor))
 
@@ -382,10 +378,10 @@ def name_run_after_task(config: Namespace) -> None:
 def continue_logger_version(config: Namespace) -> None:
     """On resume, log into the checkpoint's logger version (one run in TensorBoard), unless a version is set."""
     path = checkpoint_file(config.ckpt_path, config.checkpoint.dirpath)
-    init_args = config.trainer.logger.get("init_args") if isinstance(config.trainer.logger, Namespace) else None
-    if path is None or not isinstance(init_args, Namespace) or "version" not in init_args:
+    init_args = logger_options(config)
+    if path is None or init_args is None or "version" not in init_args:
         return
-    version = saved_version(read_checkpoint(path))
+    version = read_checkpoint(path).get(VERSION_KEY)  # None for checkpoints from before it was recorded
     if init_args.version is None and version is not None:
         init_args.version = version
 
@@ -398,6 +394,6 @@ def plan_schedule(config: Namespace) -> None:
     scheduler = config.get("lr_scheduler")
     if not (isinstance(scheduler, Namespace) and scheduler.get("class_path")):
         return
-    if import_class(scheduler.class_path) is CosineWithWarmup and scheduler.init_args.get("total_steps") is None:
+    if resolve_name(scheduler.class_path) is CosineWithWarmup and scheduler.init_args.get("total_steps") is None:
         scheduler.init_args.total_steps = config.trainer.max_steps
         config.model.lr_scheduler = scheduler.as_dict()  # the module's copy, linked before this

@@ -3,16 +3,18 @@
 jsonargparse stops at the first bad option and words its messages for its own types; these readers recognise the
 messages about one option (a value of the wrong type, a class that does not resolve, an option of another class, a
 reward that does not import), so that the CLI can note it, drop it from the command line and parse the rest again.
+The messages are read as text because that is all jsonargparse gives: its ``ArgumentError`` has no ``argument_name``
+and the exceptions it chains carry neither the flag nor the value.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import re
 import typing
 from pathlib import Path
+from pkgutil import resolve_name
 
 import yaml
 
@@ -20,12 +22,6 @@ import lit_gmc.rules
 from lit_gmc.data.datamodule import RolloutDataModule
 
 DATA_COMPONENTS = ("schedule", "engine", "task")
-
-
-def import_class(class_path: str) -> type:
-    """The class named by a dotted ``class_path``."""
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def bad_value(message: str) -> tuple[str, str] | None:
@@ -61,7 +57,7 @@ def foreign_option(message: str) -> tuple[str, str] | None:
         return None
     flag, name = f"--{key[1]}.{option[1]}", class_path[1].rpartition(".")[2]
     with contextlib.suppress(ImportError, AttributeError, ValueError):
-        accepted = [p for p in inspect.signature(import_class(class_path[1])).parameters if p not in ("self", "args")]
+        accepted = [p for p in inspect.signature(resolve_name(class_path[1])).parameters if p not in ("self", "args")]
         name += f" has no option {option[1]} (its options: {', '.join(accepted) or 'none'})"
     if not name.endswith(")"):
         name += f" has no option {option[1]}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -78,11 +78,6 @@ class RunFolder(pl.Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         checkpoint[VERSION_KEY] = trainer.logger.version if trainer.logger is not None else None
-
-
-def saved_version(checkpoint: dict[str, Any]) -> int | str | None:
-    """The logger version a checkpoint was written under (None for checkpoints from before it was recorded)."""
-    return checkpoint.get(VERSION_KEY)
 
 
 def refuse_earlier_checkpoints(folder: str | None) -> None:

@@ -135,10 +135,10 @@ def suite_schedule(delay: int) -> dict[str, Any]:
 
 def build_component(spec: dict[str, Any] | None, default: str) -> Any:
     """The object a config's ``class_path`` + ``init_args`` entry names (``default`` class when absent)."""
-    from lit_gmc.cli import import_class
+    from pkgutil import resolve_name
 
     spec = spec or {"class_path": default}
-    return import_class(spec["class_path"])(**spec.get("init_args", {}))
+    return resolve_name(spec["class_path"])(**spec.get("init_args", {}))
 
 
 def run_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:

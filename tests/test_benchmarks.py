@@ -108,7 +108,7 @@ def test_a_users_benchmark_file_keeps_its_text_answers_verbatim(tmp_path):
     path = tmp_path / "own.jsonl"
     rows = [{"q": "x", "a": "$5$"}, {"q": "y", "a": 27.0}, {"q": "z", "a": 3}, {"q": "w", "a": 0.5}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    items = load_file_items(str(path), question="q", answer="a")
+    items, _ = load_file_items(str(path), question="q", answer="a")
     assert [(it.problem, it.answer) for it in items] == [("x", "$5$"), ("y", "27"), ("z", "3"), ("w", "0.5")]
     path.write_text(json.dumps({"q": "x", "a": False}) + "\n\n" + json.dumps({"q": "y", "a": True}) + "\n")
     with pytest.raises(UserError, match=r"own\.jsonl:1: field 'answer' \(column 'a'\) must be str or int or float"):

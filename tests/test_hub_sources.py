@@ -24,8 +24,6 @@ from lit_gmc.data.benchmarks import (
     reference_field,
 )
 from lit_gmc.data.math_data import (
-    DEFAULT_TEST_PATH,
-    DEFAULT_TRAIN_PATH,
     MATH_TRAIN_SOURCE,
     WORKED_EXAMPLES,
     DataSource,
@@ -108,8 +106,7 @@ def test_hub_specs_are_the_checked_cards():
     }  # fmt: skip
     train = (MATH_TRAIN_SOURCE.path, MATH_TRAIN_SOURCE.config, MATH_TRAIN_SOURCE.split)
     assert train == ("DigitalLearningGmbH/MATH-lighteval", "default", "train")
-    assert DEFAULT_TRAIN_PATH == MATH_TRAIN_SOURCE.path and DEFAULT_TEST_PATH == BENCHMARKS["math500"].hub.path
-    assert not any(path.startswith("..") for path in (DEFAULT_TRAIN_PATH, DEFAULT_TEST_PATH))
+    assert not any(path.startswith("..") for path in (MATH_TRAIN_SOURCE.path, BENCHMARKS["math500"].hub.path))
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
@@ -137,10 +134,10 @@ def test_the_default_source_is_the_hub(tmp_path, monkeypatch):
 def test_minerva_and_amc23_hub_columns_need_no_shared_data(tmp_path):
     write_jsonl(tmp_path / "minerva" / "test.jsonl", [{"question": "Speed?", "answer": "$3 \\times 10^8$"}])
     write_jsonl(tmp_path / "amc" / "test.jsonl", [{"id": 0, "question": "How many?", "answer": 27.0, "url": "u"}])
-    assert load_items(replace(MINERVA_HUB, path=str(tmp_path / "minerva"))) == [
+    assert load_items(replace(MINERVA_HUB, path=str(tmp_path / "minerva")))[0] == [
         BenchmarkItem("Speed?", "3 \\times 10^8")
     ]
-    assert load_items(replace(AMC23_HUB, path=str(tmp_path / "amc"))) == [BenchmarkItem("How many?", "27")]
+    assert load_items(replace(AMC23_HUB, path=str(tmp_path / "amc")))[0] == [BenchmarkItem("How many?", "27")]
     # A row that breaks the format names the row and the hub's column.
     write_jsonl(tmp_path / "bad" / "test.jsonl", [{"question": "q", "answer": "no marker"}])
     with pytest.raises(ValueError, match=r"bad \(config 'default', split 'test'\) row 0: column 'answer': no '####"):
