@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -236,11 +236,14 @@ class VLLMEngine(RolloutEngine):
         self._sleep()
 
     def _start(self, model_path: str):
-        opts, cuda = self, torch.cuda.is_available()
-        # vLLM reads this when the engine starts: in this process, so that tensors are passed by reference. On CPU,
-        # do not let vLLM pin this process's threads.
+        # vLLM reads this when the engine starts: in this process, so that tensors are passed by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if not cuda:
+        return self.vllm.LLM(**self.llm_options(model_path))
+
+    def llm_options(self, model_path: str) -> dict[str, Any]:
+        """The ``vllm.LLM`` arguments of this engine's options (also used by ``scripts/bench/bench_rollout.py``)."""
+        opts, cuda = self, torch.cuda.is_available()
+        if not cuda:  # do not let vLLM pin this process's threads
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kv_bytes = opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes or cuda else 64 << 20
         kwargs = {
@@ -265,7 +268,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_chunked_prefill"] = False
             longest = opts.max_model_len or checkpoint_config(model_path).max_position_embeddings
             kwargs["max_num_batched_tokens"] = longest
-        return self.vllm.LLM(**kwargs)
+        return kwargs
 
     @property
     def version(self) -> int:

@@ -1,6 +1,11 @@
 """Rollout throughput (generated tokens/s) of HFEngine, VLLMEngine (in-process ``vllm.LLM.generate``) and VLLMServers
 (one ``vllm serve`` process, ``--engines vllm-serve``), and the latency of a weight sync.
 
+``--engines vllm-process`` is ``vllm.LLM.generate`` as vLLM runs it by default, its engine core in a process of its
+own (``VLLMEngine`` keeps the core in the learner's process so that weights pass by reference): the same engine a
+``vllm serve`` process runs, without the HTTP front end, so ``vllm-serve`` against it measures the serving layer
+alone. It generates only (no weight sync).
+
 Two actors: the warm-started tiny actor (the embedded default's shapes: B = 8 prompts x G = 8, 6 new tokens)
 and a mid-size Qwen3 built here in code (~100M parameters, random weights, 32k vocabulary, 64 new tokens;
 random weights almost never sample EOS, so every response has the full length). Each measurement is the
@@ -13,6 +18,8 @@ median of ``--repeats`` timed calls after a short warm-up call (2 new tokens). R
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
 import tempfile
 import time
@@ -66,6 +73,18 @@ def timed(fn, repeats: int, warm_up=None) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def engine_core_process_engine():
+    """A ``VLLMEngine`` whose ``vllm.LLM`` runs its engine core in its own process, vLLM's default."""
+    from lit_gmc.data.vllm_engine import VLLMEngine
+
+    class EngineCoreProcess(VLLMEngine):
+        def _start(self, model_path: str):
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            return self.vllm.LLM(**self.llm_options(model_path))
+
+    return EngineCoreProcess()
+
+
 def build_engine(kind: str, path: str, model, tokenizer):
     if kind == "hf":
         return HFEngine.from_model(model, tokenizer)
@@ -77,7 +96,7 @@ def build_engine(kind: str, path: str, model, tokenizer):
         return engine
     from lit_gmc.data.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine()
+    engine = engine_core_process_engine() if kind == "vllm-process" else VLLMEngine()
     engine.start(path, tokenizer=tokenizer)
     return engine
 
@@ -95,7 +114,9 @@ def bench(kind: str, name: str, actor, args) -> dict[str, float]:
                                 warm_up=lambda: engine.generate(prompts, args.group_size, short))  # fmt: skip
         tokens = int(sum(int(g.response_mask.sum()) for g in groups))
         version = iter(range(1, 1000))
-        sync, _ = timed(lambda: engine.load_weights(model.named_parameters(), next(version)), args.repeats)
+        sync = math.nan  # the engine core's process holds the weights: nothing to load in place
+        if kind != "vllm-process":
+            sync, _ = timed(lambda: engine.load_weights(model.named_parameters(), next(version)), args.repeats)
     finally:
         engine.close()
     params = sum(p.numel() for p in model.parameters())
@@ -106,7 +127,8 @@ def bench(kind: str, name: str, actor, args) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "mid"], choices=["tiny", "mid"])
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm", "vllm-serve"])
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"],
+                        choices=["hf", "vllm", "vllm-process", "vllm-serve"])  # fmt: skip
     parser.add_argument("--prompts", type=int, default=8, help="B, prompts per call")
     parser.add_argument("--group-size", type=int, default=8, help="G, samples per prompt")
     parser.add_argument("--repeats", type=int, default=3)
