@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,7 +121,8 @@ def file_suite(
         samples: Samples per problem, overriding the file's own ``samples``.
         max_problems: Only the first problems.
         max_prompt_tokens: Prompt budget (longer prompts lose their beginning).
-        chat_template: Wrap each prompt, after the budget cut, in ``tokenizer``'s chat template (:func:`in_chat`).
+        chat_template: Wrap each prompt, after the budget cut, in ``tokenizer``'s chat template
+            (:func:`~lit_gmc.data.tasks.prompts_in_chat_template`).
         chat_option: The option that asked for it, named when ``tokenizer`` has no chat template.
 
     Raises:
@@ -153,23 +154,11 @@ def file_suite(
         raise UserError(f"benchmark {spec.name!r}: {err}") from err
     prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
     if chat_template:
-        prompts = in_chat(prompts, tokenizer, chat_option)
+        from lit_gmc.data.tasks import prompts_in_chat_template
+
+        prompts = prompts_in_chat_template(prompts, tokenizer, chat_option)
     n = samples or spec.samples
     return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer, len(skipped))
-
-
-def in_chat(prompts: Sequence[Any], tokenizer: Any, option: str = "Evaluation chat_template") -> list[Any]:
-    """``prompts`` (dataclasses with ``text``) wrapped in ``tokenizer``'s chat template.
-
-    Each becomes a user turn and the assistant's opening (:func:`~lit_gmc.data.tasks.in_chat_template`), as training
-    prompts do with ``--data.task.chat_template``.
-
-    Raises:
-        UserError: Naming ``option``, for a tokenizer without a chat template.
-    """
-    from lit_gmc.data.tasks import in_chat_template
-
-    return [replace(prompt, text=in_chat_template(prompt.text, tokenizer, option)) for prompt in prompts]
 
 
 def correctness(
@@ -390,6 +379,7 @@ class Evaluation(pl.Callback):
         """One of the paper's benchmarks, with the two-shot math prompt and the math scorer."""
         from lit_gmc.data.benchmarks import BenchmarkUnreachable, load_benchmark
         from lit_gmc.data.math_data import make_prompts
+        from lit_gmc.data.tasks import prompts_in_chat_template
         from lit_gmc.errors import UserError
 
         try:
@@ -404,7 +394,7 @@ class Evaluation(pl.Callback):
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
                                self.max_prompt_tokens)  # fmt: skip
         if self.chat_template:
-            prompts = in_chat(prompts, self.tokenizer)
+            prompts = prompts_in_chat_template(prompts, self.tokenizer, "Evaluation chat_template")
         n = self.samples or bench.samples
         ks = tuple(k for k in self.ks if k <= n)
         return Suite(name, bench.title, prompts, n, ks, self.math_scorer(), len(bench.skipped))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from lit_gmc.data.components import check_options
@@ -15,7 +14,7 @@ from lit_gmc.data.math_data import (
     load_tokenizer,
     make_prompts,
 )
-from lit_gmc.data.tasks import Prompt, Task, in_chat_template
+from lit_gmc.data.tasks import Prompt, Task, prompts_in_chat_template
 
 
 class Math(Task):
@@ -110,7 +109,7 @@ class Math(Task):
             return prompts
         if self.engine_tokenizer is None:
             raise RuntimeError("Math: chat_template needs the engine's tokenizer: call setup(tokenizer) first")
-        return [replace(p, text=in_chat_template(p.text, self.engine_tokenizer)) for p in prompts]
+        return prompts_in_chat_template(prompts, self.engine_tokenizer)
 
     def train_prompts(self) -> Sequence[Prompt]:
         """Two-shot prompts of the kept training rows, in file order."""

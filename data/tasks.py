@@ -77,8 +77,8 @@ class Addition(Task):
     def setup(self, tokenizer: Any) -> None:
         """With ``chat_template``, wrap every prompt in ``tokenizer``'s chat template (:func:`in_chat_template`)."""
         if self.chat_template:
-            self._train = [replace(p, text=in_chat_template(p.text, tokenizer)) for p in self._train]
-            self._test = [replace(p, text=in_chat_template(p.text, tokenizer)) for p in self._test]
+            self._train = prompts_in_chat_template(self._train, tokenizer)
+            self._test = prompts_in_chat_template(self._test, tokenizer)
 
     def train_prompts(self) -> Sequence[Prompt]:
         """The training prompts (sums not held out)."""
@@ -108,6 +108,13 @@ def in_chat_template(text: str, tokenizer: Any, option: str = "--data.task.chat_
             f"{option}: the actor's tokenizer has no chat template ({type(tokenizer).__name__}); leave {option} "
             "off for a base model, or choose an instruction-tuned actor"
         ) from err
+
+
+def prompts_in_chat_template(
+    prompts: Sequence[Any], tokenizer: Any, option: str = "--data.task.chat_template"
+) -> list[Any]:
+    """``prompts`` (dataclasses with a ``text``, e.g. :class:`Prompt`), each text :func:`in_chat_template`."""
+    return [replace(prompt, text=in_chat_template(prompt.text, tokenizer, option)) for prompt in prompts]
 
 
 class PromptStream:

@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from lit_gmc.actor import load_actor
-from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, BenchmarkFile, Suite, evaluate_suites, file_suite, in_chat
+from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, BenchmarkFile, Suite, evaluate_suites, file_suite
 from lit_gmc.callbacks.metrics import PAPER_KS
 from lit_gmc.data.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
 from lit_gmc.data.engines import HFEngine
 from lit_gmc.data.math_data import MathScorer, make_prompts
+from lit_gmc.data.tasks import prompts_in_chat_template
 from lit_gmc.errors import UserError
 from lit_gmc.export import load_checkpoint_actor
 
@@ -199,7 +200,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         items = bench.items[: args.limit]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
         if args.chat_template:
-            prompts = in_chat(prompts, tokenizer, "--chat-template")
+            prompts = prompts_in_chat_template(prompts, tokenizer, "--chat-template")
         n = args.samples or bench.samples
         suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n),
                             skipped=len(bench.skipped)))  # fmt: skip

@@ -147,19 +147,24 @@ class NoneScore:
 """
 
 
-def test_a_plug_in_task_whose_score_returns_none_is_one_line_naming_it(tmp_path, monkeypatch):
+def main_error_line(monkeypatch, *argv: str) -> str:
+    """The last line ``lit_gmc`` prints on stderr for ``argv``, once it has exited with status 2 (a user's error)."""
     from lit_gmc.__main__ import main
 
-    (tmp_path / "none_task.py").write_text(textwrap.dedent(NONE_TASK))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    config = write_config(tmp_path, "none", total=2, task={"class_path": "none_task.NoneScore"})
-    monkeypatch.setattr("sys.argv", ["lit_gmc", "fit", "--config", str(config)])
+    monkeypatch.setattr("sys.argv", ["lit_gmc", *argv])
     stderr = io.StringIO()
     monkeypatch.setattr("sys.stderr", stderr)
     with pytest.raises(SystemExit) as stop:
         main()
     assert stop.value.code == 2
-    assert stderr.getvalue().strip().splitlines()[-1] == (
+    return stderr.getvalue().strip().splitlines()[-1]
+
+
+def test_a_plug_in_task_whose_score_returns_none_is_one_line_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "none_task.py").write_text(textwrap.dedent(NONE_TASK))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_config(tmp_path, "none", total=2, task={"class_path": "none_task.NoneScore"})
+    assert main_error_line(monkeypatch, "fit", "--config", str(config)) == (
         "lit_gmc: error: reward NoneScore.score (the task's reward) returned None for 4 completions; it must return "
         "a list of 4 numbers, one reward per completion"
     )
@@ -525,18 +530,10 @@ class Padded:
 
 def test_prompts_made_in_setup_are_checked_against_the_context_and_cut_by_the_budget(tmp_path, monkeypatch):
     """Through ``lit_gmc fit``: one line with status 2 naming prompt 7 (72 tokens + 4 > 64), then a budget of 40."""
-    from lit_gmc.__main__ import main
-
     (tmp_path / "padded_task.py").write_text(SETUP_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
     config = write_config(tmp_path, "padded", total=1, task={"class_path": "padded_task.Padded"})
-    monkeypatch.setattr("sys.argv", ["lit_gmc", "fit", "--config", str(config)])
-    stderr = io.StringIO()
-    monkeypatch.setattr("sys.stderr", stderr)
-    with pytest.raises(SystemExit) as stop:
-        main()
-    assert stop.value.code == 2
-    assert stderr.getvalue().strip().splitlines()[-1] == (
+    assert main_error_line(monkeypatch, "fit", "--config", str(config)) == (
         "lit_gmc: error: prompt 7 of the task is 72 tokens, and with --data.max_new_tokens 4 that is more than the 64 "
         "tokens --model.actor tiny can attend to; shorten the task's prompts (--data.max_prompt_tokens N keeps the "
         "last N tokens of each) or lower --data.max_new_tokens"
