@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from lit_gmc.callbacks.weight_sync import WeightSink
-from lit_gmc.data.live import Live
-from lit_gmc.data.schedules import DelaySchedule, FixedDelay, Sync
-from lit_gmc.data.virtual_clock import VirtualClock
+from lit_gmc.data.schedules.base import DelaySchedule, FixedDelay, Sync
+from lit_gmc.data.schedules.live import Live
+from lit_gmc.data.schedules.virtual_clock import VirtualClock
 
 
 class RecordingSink:

@@ -67,7 +67,7 @@ class BenchmarkFile:
         answer: Column of the reference answer (text, or a number: ``27.0`` is read as ``27``).
         template: The prompt: a format string with a ``{question}`` field (other braces doubled, ``{{}}``), or a
             callable ``question -> prompt``, or its import path (``"my_project.prompts.two_shot"``;
-            ``"lit_gmc.data.math_data.build_prompt"`` is the paper's two-shot math prompt).
+            ``"lit_gmc.data.tasks.math_data.build_prompt"`` is the paper's two-shot math prompt).
         scorer: A callable ``(completions, answer) -> list[float]``, 1.0 for a correct completion and 0.0
             otherwise, or its import path; ``None`` takes the callback's ``scorer`` (by default the math one).
         samples: Samples per problem for avg@n and pass@k (the callback's ``samples``, when set, overrides it).
@@ -122,20 +122,14 @@ def file_suite(
         max_problems: Only the first problems.
         max_prompt_tokens: Prompt budget (longer prompts lose their beginning).
         chat_template: Wrap each prompt, after the budget cut, in ``tokenizer``'s chat template
-            (:func:`~lit_gmc.data.tasks.prompts_in_chat_template`).
+            (:func:`~lit_gmc.data.tasks.base.prompts_in_chat_template`).
         chat_option: The option that asked for it, named when ``tokenizer`` has no chat template.
 
     Raises:
         UserError: Naming the benchmark, for a bad template or scorer, or a missing or malformed file.
     """
-    from lit_gmc.data.benchmarks import (
-        CompletionScorer,
-        load_file_items,
-        prompt_builder,
-        resolve_callable,
-    )
-    from lit_gmc.data.math_data import truncate_prompt
-    from lit_gmc.data.tasks import Prompt
+    from lit_gmc.data.tasks.base import Prompt, truncate_prompt
+    from lit_gmc.data.tasks.benchmarks import CompletionScorer, load_file_items, prompt_builder, resolve_callable
     from lit_gmc.errors import UserError
 
     try:
@@ -154,7 +148,7 @@ def file_suite(
         raise UserError(f"benchmark {spec.name!r}: {err}") from err
     prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
     if chat_template:
-        from lit_gmc.data.tasks import prompts_in_chat_template
+        from lit_gmc.data.tasks.base import prompts_in_chat_template
 
         prompts = prompts_in_chat_template(prompts, tokenizer, chat_option)
     n = samples or spec.samples
@@ -191,7 +185,7 @@ def evaluate_suites(
         ``{"benchmarks": {name: {"title", "problems", "n", "greedy", "avg@n", "pass@k"...}},
         "macro": {"greedy", "avg@n"}}``; values are floats (metrics are synced across processes).
     """
-    from lit_gmc.data.engines import SamplingParams
+    from lit_gmc.data.engines.base import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
     sampled = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
@@ -240,7 +234,7 @@ class Evaluation(pl.Callback):
         every_n_steps: Period in optimizer steps (``null``: only ``at_steps``).
         at_steps: Extra steps to evaluate at (the paper: 200, 300, 400, 800); 0 evaluates before training.
         data_dir: Folder of local benchmark copies under their usual names (``math500_test.jsonl``, ...); ``null`` reads
-            each benchmark from its hub dataset (``lit_gmc.data.benchmarks.BENCHMARKS``).
+            each benchmark from its hub dataset (``lit_gmc.data.tasks.benchmarks.BENCHMARKS``).
         sources: Per-benchmark override of both: a local JSONL file, a dataset folder laid out like the hub
             repository, or another hub name.
         samples: Samples per problem for avg@n and pass@k; ``null`` takes the paper's n (16 for MATH-500,
@@ -340,7 +334,7 @@ class Evaluation(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lit_gmc.data.benchmarks import BENCHMARKS
+        from lit_gmc.data.tasks.benchmarks import BENCHMARKS
         from lit_gmc.errors import UserError
 
         unknown = [spec for spec in self.benchmarks if isinstance(spec, str) and spec not in BENCHMARKS]
@@ -370,16 +364,16 @@ class Evaluation(pl.Callback):
     def math_scorer(self) -> Scorer:
         """The scorer given, else the MATH scorer, built once (its verifier processes start on first need)."""
         if self.scorer is None:
-            from lit_gmc.data.math_data import MathScorer
+            from lit_gmc.data.tasks.math_data import MathScorer
 
             self.scorer = MathScorer(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
         return self.scorer
 
     def registered_suite(self, name: str) -> Suite:
         """One of the paper's benchmarks, with the two-shot math prompt and the math scorer."""
-        from lit_gmc.data.benchmarks import BenchmarkUnreachable, load_benchmark
-        from lit_gmc.data.math_data import make_prompts
-        from lit_gmc.data.tasks import prompts_in_chat_template
+        from lit_gmc.data.tasks.base import prompts_in_chat_template
+        from lit_gmc.data.tasks.benchmarks import BenchmarkUnreachable, load_benchmark
+        from lit_gmc.data.tasks.math_data import make_prompts
         from lit_gmc.errors import UserError
 
         try:

@@ -28,14 +28,14 @@ from typing_extensions import override
 
 from lit_gmc.actor import context_problem, load_actor, resolve_actor_path
 from lit_gmc.batch import RolloutBatch, collate_groups
-from lit_gmc.data.components import check_options
-from lit_gmc.data.engines import RolloutEngine, SamplingParams
-from lit_gmc.data.math_data import truncate_prompt
-from lit_gmc.data.recompute import BehaviorRecompute
-from lit_gmc.data.schedules import Batch, DelaySchedule
-from lit_gmc.data.tasks import Prompt, PromptStream, Reward, Task
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.recompute import BehaviorRecompute
+from lit_gmc.data.schedules.base import Batch, DelaySchedule
+from lit_gmc.data.tasks.base import Prompt, PromptStream, Task, truncate_prompt
+from lit_gmc.data.tasks.reward import Reward
 from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
 from lit_gmc.errors import UserError
+from lit_gmc.options import check_options
 
 
 @runtime_checkable
@@ -49,7 +49,7 @@ class TokenizerSetup(Protocol):
 def within_budget(prompts: Sequence[Prompt], tokenizer: Any, max_tokens: int) -> list[Prompt]:
     """``prompts`` with their beginning cut to ``max_tokens`` tokens of ``tokenizer`` (``--data.max_prompt_tokens``).
 
-    The cut is :func:`~lit_gmc.data.math_data.truncate_prompt`'s, the one Math's own budget makes; how many prompts
+    The cut is :func:`~lit_gmc.data.tasks.base.truncate_prompt`'s, the one Math's own budget makes; how many prompts
     lost text is said once, in a warning.
 
     Raises:

@@ -137,23 +137,36 @@ def build_tiny_model(recipe: TinyRecipe, vocab_size: int, pad_id: int, eos_id: i
     return Qwen3ForCausalLM(config)
 
 
+def addition_problems(max_operand: int) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, str]]]:
+    """``(id, "a+b=", "sum")`` rows for ``a, b`` in ``0..max_operand``: training rows, and held-out rows (one in ten).
+
+    The held-out rule is ``(7a + 3b) % 10 == 0``. The tiny actor's warm start and the ``Addition`` task both read
+    these rows, so the warm start never sees a held-out sum.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    rows = [(i, f"{a}+{b}=", str(a + b)) for i, (a, b) in enumerate(pairs)]
+    held_out = [(7 * a + 3 * b) % 10 == 0 for a, b in pairs]
+    return [r for r, out in zip(rows, held_out, strict=True) if not out], [
+        r for r, out in zip(rows, held_out, strict=True) if out
+    ]
+
+
 def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[float]:
     """Supervised steps on the answer tokens (answer + EOS) of the addition task's training prompts.
 
     Returns the loss per step. Only the training split is used, so held-out accuracy stays honest.
     """
-    from lit_gmc.data.tasks import Addition  # the tiny recipe is defined by this task
-
-    rows = list(Addition(recipe.max_operand).train_prompts())
+    rows, _ = addition_problems(recipe.max_operand)
     rng = random.Random(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.warm_start_lr, weight_decay=0.0)
     losses = []
     model.train()
     for _ in range(recipe.warm_start_steps):
         picked = rng.sample(rows, recipe.warm_start_batch)
-        prompt_ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in picked]
+        prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text, _ in picked]
         answer_ids = [
-            tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in picked
+            tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for _, _, answer in picked
         ]
         width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids, strict=True))
         ids = torch.full((len(picked), width), tokenizer.pad_token_id)
@@ -174,10 +187,7 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, recipe: TinyRecipe) -> list[f
 
 def tiny_actor_builders() -> list[Callable[..., Any]]:
     """The code that decides the cached actor: its builders, the warm start and its prompts, the saving."""
-    from lit_gmc.data.tasks import Addition  # the warm start's data: the split is made in __init__
-
-    task = [Addition.__init__, Addition.train_prompts]
-    return [build_char_tokenizer, build_tiny_model, warm_start, *task, ensure_tiny_actor]
+    return [build_char_tokenizer, build_tiny_model, addition_problems, warm_start, ensure_tiny_actor]
 
 
 def library_versions() -> dict[str, str]:

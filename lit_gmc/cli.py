@@ -25,12 +25,14 @@ from lit_gmc import preflight
 from lit_gmc.actor import context_problem, tiny_alphabet_problem
 from lit_gmc.callbacks.progress import ProgressLines
 from lit_gmc.checkpoint import RunCheckpoint
-from lit_gmc.data import live, math_task, virtual_clock, vllm_engine, vllm_serve  # noqa: F401  (short names: VirtualClock, ...)
-from lit_gmc.data.components import component_problems
 from lit_gmc.data.datamodule import RolloutDataModule, TokenizerSetup
+from lit_gmc.data.engines import vllm, vllm_serve  # noqa: F401  (the short names VLLMEngine, VLLMServers, ...)
+from lit_gmc.data.schedules import live, virtual_clock  # noqa: F401
+from lit_gmc.data.tasks import addition, math  # noqa: F401
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem
+from lit_gmc.options import component_problems
 from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, parse_error_message, without_option
 from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
 from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints

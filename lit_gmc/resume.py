@@ -50,17 +50,17 @@ MAY_CHANGE = frozenset({
     "--model.micro_batch_groups", "--model.logit_chunk_tokens", "--model.gradient_checkpointing",
 })  # fmt: skip
 COMPONENT_MAY_CHANGE = {
-    "lit_gmc.data.virtual_clock.VirtualClock": {"overlap", "max_launches"},
-    "lit_gmc.data.live.Live": {"join_timeout_s"},
-    "lit_gmc.data.vllm_engine.VLLMEngine": {
+    "lit_gmc.data.schedules.virtual_clock.VirtualClock": {"overlap", "max_launches"},
+    "lit_gmc.data.schedules.live.Live": {"join_timeout_s"},
+    "lit_gmc.data.engines.vllm.VLLMEngine": {
         "sleep_between_rollouts", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
         "enable_prefix_caching",
     },
-    "lit_gmc.data.vllm_serve.VLLMServers": {
+    "lit_gmc.data.engines.vllm_serve.VLLMServers": {
         "urls", "launch", "devices", "backend", "bucket_bytes", "served_model", "transfer_address", "startup_timeout_s",
         "request_timeout_s", "kv_cache_memory_bytes", "gpu_memory_utilization", "server_args",
     },  # where the servers run and how weights reach them, not what they sample
-    "lit_gmc.data.math_task.Math": {"test_path", "verifier_workers"},
+    "lit_gmc.data.tasks.math.Math": {"test_path", "verifier_workers"},
 }  # fmt: skip
 # What makes a dict a lit_gmc training checkpoint (a Lightning checkpoint with our DataModule's state).
 CHECKPOINT_KEYS = ("pytorch-lightning_version", "state_dict", "hyper_parameters", "RolloutDataModule")

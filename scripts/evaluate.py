@@ -34,10 +34,10 @@ import torch
 from lit_gmc.actor import load_actor
 from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS, BenchmarkFile, Suite, evaluate_suites, file_suite
 from lit_gmc.callbacks.metrics import PAPER_KS
-from lit_gmc.data.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
-from lit_gmc.data.engines import HFEngine
-from lit_gmc.data.math_data import MathScorer, make_prompts
-from lit_gmc.data.tasks import prompts_in_chat_template
+from lit_gmc.data.engines.hf import HFEngine
+from lit_gmc.data.tasks.base import prompts_in_chat_template
+from lit_gmc.data.tasks.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
+from lit_gmc.data.tasks.math_data import MathScorer, make_prompts
 from lit_gmc.errors import UserError
 from lit_gmc.export import load_checkpoint_actor
 

@@ -43,7 +43,8 @@ from memory_estimate import GIB, QWEN3, SETTINGS, Arch, Workload, single_gpu  # 
 
 from lit_gmc.actor import build_char_tokenizer  # noqa: E402
 from lit_gmc.batch import RolloutGroup, collate_groups  # noqa: E402
-from lit_gmc.data.engines import HFEngine, SamplingParams  # noqa: E402
+from lit_gmc.data.engines.base import SamplingParams  # noqa: E402
+from lit_gmc.data.engines.hf import HFEngine
 from lit_gmc.module import GMCModule  # noqa: E402
 from lit_gmc.rules import GMC  # noqa: E402
 

@@ -38,8 +38,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from lit_gmc.actor import TINY_ALPHABET, build_char_tokenizer
 from lit_gmc.batch import RolloutBatch, collate_groups
 from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.data.engines import SamplingParams
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.engines.base import SamplingParams
+from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.module import GMCModule
 from lit_gmc.rules import GMC
 
@@ -81,7 +81,7 @@ def make_prompts(count: int, length: int, seed: int) -> list[Prompt]:
 
 def start_engine(args: argparse.Namespace, folder: Path, tokenizer):
     """vLLM as ``configs/qwen3_1p7b.yaml`` lays it out (colocated, sleeping between rollouts, bf16)."""
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(
         sleep_between_rollouts=args.accelerator == "gpu", dtype=args.engine_dtype,

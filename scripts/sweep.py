@@ -129,8 +129,8 @@ def suite_schedule(delay: int) -> dict[str, Any]:
     """The schedule of the paper's fixed-delay suite at ``D = delay``: a FIFO of D batches, except D = 0, which is
     the paper's synchronous protocol (Algorithm 1 with 4 inner steps: 256 responses per generation round)."""
     if delay == 0:
-        return {"class_path": "lit_gmc.data.schedules.Sync", "init_args": {"inner_steps": 4}}
-    return {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": delay}}
+        return {"class_path": "lit_gmc.data.schedules.base.Sync", "init_args": {"inner_steps": 4}}
+    return {"class_path": "lit_gmc.data.schedules.base.FixedDelay", "init_args": {"delay": delay}}
 
 
 def build_component(spec: dict[str, Any] | None, default: str) -> Any:
@@ -316,14 +316,14 @@ def evaluate_run(
 
     from lit_gmc.actor import load_actor
     from lit_gmc.callbacks.evaluation import Suite, evaluate_suites
-    from lit_gmc.data.engines import HFEngine
+    from lit_gmc.data.engines.hf import HFEngine
 
     config = json.loads((run_dir / "config.json").read_text())
     task_spec = config.get("data", {}).get("task")
     task_name = (task_spec or {}).get("class_path", "Addition").rpartition(".")[2]
     actor = config.get("model", {}).get("actor", "tiny")
     max_new_tokens = config.get("data", {}).get("max_new_tokens", 6)
-    task = build_component(task_spec, "lit_gmc.data.tasks.Addition")
+    task = build_component(task_spec, "lit_gmc.data.tasks.addition.Addition")
     ks = tuple(k for k in (1, 2, 4, 8, 16) if k <= samples)
     prompts = list(task.test_prompts())[:limit]
     suite = Suite(EVAL_SUITE, f"{task_name} (held-out)", prompts, samples, ks)

@@ -21,19 +21,19 @@ import torch
 
 from lit_gmc.cli import GMCCLI
 from lit_gmc.data.datamodule import RolloutDataModule
-from lit_gmc.data.engines import HFEngine
-from lit_gmc.data.schedules import FixedDelay
-from lit_gmc.data.tasks import Addition
+from lit_gmc.data.engines.hf import HFEngine
+from lit_gmc.data.schedules.base import FixedDelay
+from lit_gmc.data.tasks.addition import Addition
 from lit_gmc.tblog import read_scalars
 
 RECORD_TAGS = ("schedule/batch_id", "schedule/launch_version", "train/reward", "train/loss")
 
 
 SCHEDULES = {
-    "Sync": "lit_gmc.data.schedules.Sync",
-    "FixedDelay": "lit_gmc.data.schedules.FixedDelay",
-    "VirtualClock": "lit_gmc.data.virtual_clock.VirtualClock",
-    "Live": "lit_gmc.data.live.Live",
+    "Sync": "lit_gmc.data.schedules.base.Sync",
+    "FixedDelay": "lit_gmc.data.schedules.base.FixedDelay",
+    "VirtualClock": "lit_gmc.data.schedules.virtual_clock.VirtualClock",
+    "Live": "lit_gmc.data.schedules.live.Live",
 }
 
 

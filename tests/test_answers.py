@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_gmc.data.answers import gsm8k_final_answer, last_boxed, reference_text, strip_dollars
+from lit_gmc.data.tasks.answers import gsm8k_final_answer, last_boxed, reference_text, strip_dollars
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from lit_gmc.data.answers import last_boxed, strip_dollars
-from lit_gmc.data.benchmarks import BENCHMARKS, load_benchmark
-from lit_gmc.data.math_data import MathScorer, is_file_source, is_local
+from lit_gmc.data.tasks.answers import last_boxed, strip_dollars
+from lit_gmc.data.tasks.benchmarks import BENCHMARKS, load_benchmark
+from lit_gmc.data.tasks.math_data import MathScorer, is_file_source, is_local
 
 SKIPPED = {"gaokao2023en": ["168", "193"]}  # the rows' lines in the local copy
 COUNTS = {"math500": 500, "gsm8k": 1319, "gaokao2023en": 385, "olympiadbench": 675, "minerva": 272, "amc23": 40}
@@ -102,7 +102,7 @@ def test_local_paths_and_hub_names_are_told_apart(tmp_path):
 
 
 def test_a_users_benchmark_file_keeps_its_text_answers_verbatim(tmp_path):
-    from lit_gmc.data.benchmarks import load_file_items
+    from lit_gmc.data.tasks.benchmarks import load_file_items
     from lit_gmc.errors import UserError
 
     path = tmp_path / "own.jsonl"

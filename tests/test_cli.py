@@ -21,7 +21,7 @@ import lit_gmc.__main__ as entry
 import lit_gmc.rules
 from lit_gmc.cli import GMCCLI
 from lit_gmc.data.datamodule import RolloutDataModule
-from lit_gmc.data.math_task import Math
+from lit_gmc.data.tasks.math import Math
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 
@@ -73,7 +73,7 @@ def test_the_overrides_users_type_reach_the_config():
                    "--data.schedule.inner_steps", "4", "--data.group_size", "4", "--data.batch_prompts", "2",
                    "--data.max_new_tokens", "5", "--trainer.max_steps", "33")  # fmt: skip
     assert config.model.correction.class_path == "lit_gmc.rules.TIC" and config.model.correction.init_args.cap == 0.3
-    assert config.data.schedule.class_path == "lit_gmc.data.schedules.Sync"
+    assert config.data.schedule.class_path == "lit_gmc.data.schedules.base.Sync"
     assert config.data.schedule.init_args.inner_steps == 4
     assert (config.data.group_size, config.data.batch_prompts) == (4, 2)
     # linked: the loss normaliser T is the completion budget, the planned updates are max_steps
@@ -84,10 +84,11 @@ def test_the_overrides_users_type_reach_the_config():
 @pytest.mark.parametrize(
     ("args", "class_path", "init_args"),
     [
-        (["--data.schedule.delay", "32"], "lit_gmc.data.schedules.FixedDelay", {"delay": 32}),
-        (["--data.schedule", "VirtualClock", "--data.schedule.lam", "920"], "lit_gmc.data.virtual_clock.VirtualClock",
+        (["--data.schedule.delay", "32"], "lit_gmc.data.schedules.base.FixedDelay", {"delay": 32}),
+        (["--data.schedule", "VirtualClock", "--data.schedule.lam", "920"],
+         "lit_gmc.data.schedules.virtual_clock.VirtualClock",
          {"c_gen": 85.0, "lam": 920.0, "c_update": 1.0, "max_launches": 400, "overlap": True}),
-        (["--data.schedule", "Live", "--data.schedule.chunk_prompts", "2"], "lit_gmc.data.live.Live",
+        (["--data.schedule", "Live", "--data.schedule.chunk_prompts", "2"], "lit_gmc.data.schedules.live.Live",
          {"workers": 1, "chunk_prompts": 2, "max_staleness": None, "join_timeout_s": 60.0}),
     ],
 )
@@ -130,10 +131,10 @@ def test_the_embedded_default_applies_without_a_config():
     assert config.optimizer is None  # GMCModule's default: torch's AdamW, lr 2e-4, betas (0.9, 0.999), no decay
     assert config.lr_scheduler.class_path == "lit_gmc.optim.CosineWithWarmup"
     assert config.lr_scheduler.init_args.warmup_fraction == 0.0 and config.lr_scheduler.init_args.total_steps == 2000
-    assert config.data.task.class_path == "lit_gmc.data.tasks.Addition"
-    assert config.data.engine.class_path == "lit_gmc.data.engines.HFEngine"
+    assert config.data.task.class_path == "lit_gmc.data.tasks.addition.Addition"
+    assert config.data.engine.class_path == "lit_gmc.data.engines.hf.HFEngine"
     assert (config.data.schedule.class_path, config.data.schedule.init_args.delay) == (
-        "lit_gmc.data.schedules.FixedDelay", 8)
+        "lit_gmc.data.schedules.base.FixedDelay", 8)
 
 
 def test_help_lists_each_components_options(help_text):
@@ -183,7 +184,7 @@ def documented_commands() -> list[list[str]]:
 
 MY_PROJECT = {
     "__init__.py": "",
-    "tasks.py": "from lit_gmc.data.tasks import Addition\n\n\nclass MyTask(Addition):\n    pass\n",
+    "tasks.py": "from lit_gmc.data.tasks.base import Addition\n\n\nclass MyTask(Addition):\n    pass\n",
     "rewards.py": "def exact_match(completions, answer):\n    return [float(c == answer) for c in completions]\n",
 }
 

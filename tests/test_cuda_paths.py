@@ -20,8 +20,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lit_gmc.actor import TinyRecipe, build_tiny_model
 from lit_gmc.batch import collate_groups
-from lit_gmc.data.engines import SamplingParams
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.engines.base import SamplingParams
+from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.tblog import read_scalars
 
@@ -66,7 +66,7 @@ def gaps(groups, model, pad_id) -> tuple[float, float]:
 
 
 def test_colocated_sleeps_between_rollouts_and_syncs_in_bf16(saved_actor, char_tokenizer):
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(sleep_between_rollouts=True, dtype="bfloat16", gpu_memory_utilization=0.3,
                         kv_cache_memory_bytes=256 << 20)  # fmt: skip
@@ -97,7 +97,7 @@ def test_colocated_sleeps_between_rollouts_and_syncs_in_bf16(saved_actor, char_t
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a vLLM server on its own GPU needs a second GPU")
 def test_server_on_another_gpu_syncs_through_nccl(saved_actor, char_tokenizer):
     """``VLLMServers`` with a ``vllm serve`` process on GPU 1: weights from cuda:0 through vLLM's NCCL backend."""
-    from lit_gmc.data.vllm_serve import VLLMServers
+    from lit_gmc.data.engines.vllm_serve import VLLMServers
 
     engine = VLLMServers(launch=1, devices=["1"], dtype="bfloat16", gpu_memory_utilization=0.5)
     try:
@@ -121,8 +121,8 @@ def test_tiny_fit_on_gpu_with_colocated_sleeping_vllm(tmp_path):
                                "init_args": {"save_dir": str(tmp_path), "name": "tb"}}},
         "model": {"dtype": "bfloat16"},
         "checkpoint": {"every_n_train_steps": 0, "save_last": False, "save_top_k": 0},
-        "data": {"schedule": {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 0}},
-                 "batch_prompts": 4, "engine": {"class_path": "lit_gmc.data.vllm_engine.VLLMEngine", "init_args": {
+        "data": {"schedule": {"class_path": "lit_gmc.data.schedules.base.FixedDelay", "init_args": {"delay": 0}},
+                 "batch_prompts": 4, "engine": {"class_path": "lit_gmc.data.engines.vllm.VLLMEngine", "init_args": {
                      "dtype": "bfloat16", "sleep_between_rollouts": True, "gpu_memory_utilization": 0.3}}},
     }))  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--config", str(config)], cwd=tmp_path,

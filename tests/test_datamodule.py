@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from run_helpers import tiny_data
 
-from lit_gmc.data.recompute import BehaviorRecompute
+from lit_gmc.data.engines.recompute import BehaviorRecompute
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -46,7 +46,7 @@ def test_the_training_stream_is_sized_stateful_and_yields_every_update():
 
 def test_the_prompt_budget_keeps_each_prompt_s_last_tokens_and_says_how_many_it_cut(char_tokenizer):
     from lit_gmc.data.datamodule import within_budget
-    from lit_gmc.data.tasks import Prompt
+    from lit_gmc.data.tasks.base import Prompt
 
     prompts = [Prompt(0, "1+2=", "3"), Prompt(3, "10+20+30=", "60"), Prompt(5, "4+5=", "9")]
     with pytest.warns(UserWarning, match=r"^--data.max_prompt_tokens 5: cut the beginning of 1 of 3 training prompts"):

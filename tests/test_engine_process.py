@@ -11,7 +11,8 @@ from run_helpers import component, fit, records, write_config
 from test_hf_engine import PROMPTS
 
 from lit_gmc.actor import load_actor
-from lit_gmc.data.engines import HFEngine, SamplingParams
+from lit_gmc.data.engines.base import SamplingParams
+from lit_gmc.data.engines.hf import HFEngine
 
 
 def same_groups(a, b) -> bool:

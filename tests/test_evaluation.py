@@ -18,8 +18,8 @@ from lit_gmc.actor import build_char_tokenizer
 from lit_gmc.callbacks.evaluation import BenchmarkFile, Evaluation, Suite, evaluate_suites, scalars_of
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.cli import GMCCLI
-from lit_gmc.data.benchmarks import CompletionScorer
-from lit_gmc.data.math_data import MathScorer, make_prompts
+from lit_gmc.data.tasks.benchmarks import CompletionScorer
+from lit_gmc.data.tasks.math_data import MathScorer, make_prompts
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 from lit_gmc.tblog import read_scalars
@@ -422,10 +422,10 @@ def test_qwen_configs_hold_the_paper_defaults(fragment, actor, capsys):
     assert (data["batch_prompts"], data["group_size"]) == (8, 8)
     assert (data["max_new_tokens"], data["temperature"], data["top_p"]) == (4096, 1.0, 1.0)
     # 1.7B: vLLM in the learner's process on one GPU (the paper's layout (a)); 4B and 8B: a `vllm serve` of their own
-    engine = "vllm_engine.VLLMEngine" if actor == "1.7B" else "vllm_serve.VLLMServers"
+    engine = "engines.vllm.VLLMEngine" if actor == "1.7B" else "engines.vllm_serve.VLLMServers"
     assert data["engine"]["class_path"] == f"lit_gmc.data.{engine}"
     task = data["task"]
-    assert task["class_path"] == "lit_gmc.data.math_task.Math"
+    assert task["class_path"] == "lit_gmc.data.tasks.math.Math"
     # the hub by default: a plain clone has no ../shared
     assert (task["init_args"]["path"], task["init_args"]["max_prompt_tokens"]) == (None, 1024)
     assert trainer["max_steps"] == 800

@@ -175,9 +175,10 @@ def test_a_sharded_checkpoint_that_cannot_be_read_is_named(sharded_checkpoint, t
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 def test_export_loads_in_vllm_and_samples_like_transformers(resumed_checkpoint, tmp_path):
-    from lit_gmc.data.engines import HFEngine, SamplingParams
-    from lit_gmc.data.tasks import Prompt
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.base import SamplingParams
+    from lit_gmc.data.engines.hf import HFEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
+    from lit_gmc.data.tasks.base import Prompt
 
     out = export_checkpoint(resumed_checkpoint, tmp_path / "hf")
     prompts = [Prompt(i, f"{i}+{i + 3}=", "") for i in range(4)]

@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_gmc.callbacks.progress import ProgressLines, default_every, duration, progress_line
 from lit_gmc.callbacks.samples import Samples, samples_table
 from lit_gmc.cli import GMCCLI, default_progress_bar
-from lit_gmc.data.tasks import Addition, Reward
+from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.data.tasks.reward import Reward
 from lit_gmc.errors import UserError
 
 
@@ -129,7 +130,8 @@ def test_rewards_outside_0_1_warn_once_with_the_values():
 NONE_TASK = """
 from collections.abc import Sequence
 
-from lit_gmc.data.tasks import Addition, Prompt
+from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.data.tasks.base import Prompt
 
 
 class NoneScore:
@@ -192,9 +194,9 @@ def test_unknown_components_list_the_known_classes_with_every_other_bad_option()
 
 
 def test_a_misspelt_reward_path_says_cannot_import_it():
-    message = parse_problems("--data.reward", "lit_gmc.data.tasks.exact_matc")
-    path = "lit_gmc.data.tasks.exact_matc"
-    assert f"--data.reward={path}: cannot import {path} (module 'lit_gmc.data.tasks' has no attribute" in message
+    message = parse_problems("--data.reward", "lit_gmc.data.tasks.base.exact_matc")
+    path = "lit_gmc.data.tasks.base.exact_matc"
+    assert f"--data.reward={path}: cannot import {path} (module 'lit_gmc.data.tasks.base' has no attribute" in message
 
 
 @pytest.mark.parametrize(("content", "found"), [("", "nothing (an empty file)"), ("- a\n", "a list")])
@@ -239,7 +241,7 @@ def test_preflight_reports_everything_this_machine_lacks_in_one_line_before_anyt
 
 
 def test_a_hub_dataset_offline_names_the_path_option_and_hf_hub_offline(tmp_path, monkeypatch):
-    from lit_gmc.data.math_task import Math
+    from lit_gmc.data.tasks.math import Math
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
@@ -287,7 +289,7 @@ def test_a_second_run_in_a_folder_in_use_is_refused_naming_it(tmp_path):
 WORDY_TASK = """
 from collections.abc import Sequence
 
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.tasks.base import Prompt
 
 
 class Wordy:
@@ -318,7 +320,7 @@ def test_benchmark_rows_without_a_reference_answer_are_left_out_and_counted(tmp_
     import json
 
     from lit_gmc.callbacks.evaluation import BenchmarkFile, file_suite
-    from lit_gmc.data.benchmarks import load_benchmark
+    from lit_gmc.data.tasks.benchmarks import load_benchmark
 
     rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "No answer?", "answer": ""}, {"problem": "3?", "answer": 3}]
     path = tmp_path / "amc23_test.jsonl"
@@ -442,7 +444,7 @@ def test_the_terminal_bar_counts_updates_to_max_steps_after_a_resume(tmp_path, m
 LONG_TASK = """
 from collections.abc import Sequence
 
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.tasks.base import Prompt
 
 
 class Long:
@@ -488,7 +490,7 @@ def test_an_engine_s_own_preflight_is_asked_and_a_vllm_engine_needs_vllm(monkeyp
     import importlib.util
 
     from lit_gmc import preflight
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     assert preflight.engine_problems(CheckedEngine, {"url": "http://a:8"}, "tiny") == [
         "--data.engine CheckedEngine: server http://a:8 is unreachable"]  # fmt: skip
@@ -505,7 +507,7 @@ SETUP_TASK = """
 from collections.abc import Sequence
 from dataclasses import replace
 
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.tasks.base import Prompt
 
 
 class Padded:

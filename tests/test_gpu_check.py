@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-VLLM_PLUGINS = {"lit_gmc.data.weight_transfer"}
+VLLM_PLUGINS = {"lit_gmc.data.engines.weight_transfer"}
 """Modules that vLLM itself loads (its plugin entry point) and that import vLLM at the top, by design."""
 
 IMPORT_EVERYTHING = r"""

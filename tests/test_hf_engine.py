@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lit_gmc.batch import collate_groups
-from lit_gmc.data.engines import HFEngine, RolloutEngine, SamplingParams
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.hf import HFEngine
+from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.logprobs import response_logprobs
 
 PROMPTS = [Prompt(0, "1+2=", "3"), Prompt(1, "40+23=", "63"), Prompt(2, "9+9=", "18")]
@@ -136,7 +137,7 @@ def test_engine_batches_large_requests_without_changing_groups(tiny_model, char_
 def test_sampled_logprobs_are_the_same_for_every_chunk_of_positions(vocab):
     """Each position's log-softmax of the processed scores (-inf where top-p filtered) at the sampled token, whether
     the positions are reduced one at a time, a few at a time or all at once."""
-    from lit_gmc.data.engines import sampled_logprobs
+    from lit_gmc.data.engines.hf import sampled_logprobs
 
     gen = torch.Generator().manual_seed(vocab)
     rows, length = 12, 7

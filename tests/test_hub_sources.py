@@ -11,9 +11,9 @@ from dataclasses import replace
 import datasets
 import pytest
 
-from lit_gmc.data import math_data
-from lit_gmc.data.answers import last_boxed
-from lit_gmc.data.benchmarks import (
+from lit_gmc.data.tasks import math_data
+from lit_gmc.data.tasks.answers import last_boxed
+from lit_gmc.data.tasks.benchmarks import (
     AMC23_HUB,
     BENCHMARKS,
     GSM8K_HUB,
@@ -23,7 +23,7 @@ from lit_gmc.data.benchmarks import (
     load_items,
     reference_field,
 )
-from lit_gmc.data.math_data import (
+from lit_gmc.data.tasks.math_data import (
     MATH_TRAIN_SOURCE,
     WORKED_EXAMPLES,
     DataSource,

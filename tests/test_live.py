@@ -21,8 +21,8 @@ import torch
 from run_helpers import component, fit, records, write_config
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.live import THREAD_PREFIX, Live, RolloutWorkerError
-from lit_gmc.data.tasks import Addition
+from lit_gmc.data.schedules.live import THREAD_PREFIX, Live, RolloutWorkerError
+from lit_gmc.data.tasks.addition import Addition
 
 
 class VersionedGroups:

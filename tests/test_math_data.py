@@ -4,7 +4,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lit_gmc.data.math_data import (
+from lit_gmc.data.tasks.base import Task, truncate_prompt
+from lit_gmc.data.tasks.math import Math
+from lit_gmc.data.tasks.math_data import (
     INSTRUCTION,
     WORKED_EXAMPLES,
     DataSource,
@@ -14,10 +16,7 @@ from lit_gmc.data.math_data import (
     load_math_train,
     load_records,
     make_prompts,
-    truncate_prompt,
 )
-from lit_gmc.data.math_task import Math
-from lit_gmc.data.tasks import Task
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +208,8 @@ def test_math_task_counts_prompt_tokens_with_the_engines_tokenizer(tmp_path, cha
 
 def test_datamodule_builds_the_math_task_with_truncated_prompts(shared_data, char_tokenizer):
     from lit_gmc.data.datamodule import RolloutDataModule
-    from lit_gmc.data.engines import HFEngine
-    from lit_gmc.data.schedules import FixedDelay
+    from lit_gmc.data.engines.hf import HFEngine
+    from lit_gmc.data.schedules.base import FixedDelay
 
     task = Math(path=str(shared_data / "math_train.jsonl"), max_prompt_tokens=40, verifier_workers=1)
     dm = RolloutDataModule(task, HFEngine(), FixedDelay(0), actor="tiny", group_size=2, batch_prompts=2,
@@ -234,7 +233,7 @@ def test_an_empty_data_file_is_named(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ValueError, match=f"{path}: the file has no rows"):
         load_math_train(str(path))
-    from lit_gmc.data.benchmarks import load_benchmark
+    from lit_gmc.data.tasks.benchmarks import load_benchmark
 
     with pytest.raises(ValueError, match="the file has no rows"):
         load_benchmark("amc23", source=str(path))

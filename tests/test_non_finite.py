@@ -13,7 +13,7 @@ from run_helpers import tiny_data
 from lit_gmc import objectives as O
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
-from lit_gmc.data.tasks import Reward
+from lit_gmc.data.tasks.reward import Reward
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 

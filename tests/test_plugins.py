@@ -11,7 +11,7 @@ from lit_gmc.tblog import read_scalars
 USER_MODULE = '''
 from collections.abc import Sequence
 
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.tasks.base import Prompt
 
 
 class Doubling:

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 
 from lit_gmc.batch import RolloutGroup, collate_groups
 from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.data import vllm_engine
-from lit_gmc.data.engines import HFEngine
+from lit_gmc.data.engines import vllm as vllm_engine
+from lit_gmc.data.engines.hf import HFEngine
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.module import GMCModule
 from lit_gmc.objectives import token_entropy

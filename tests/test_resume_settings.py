@@ -36,8 +36,9 @@ def test_every_checkpoint_records_the_runs_settings(finished):
     settings = checkpoint[SETTINGS_KEY]
     assert settings["--data.group_size"] == 4 and settings["--model.correction"] == "lit_gmc.rules.GMC"
     assert settings["--model.correction.cap"] == 0.28 and settings["--lr_scheduler.warmup_fraction"] == 0.0
-    assert settings["--data.schedule"] == "lit_gmc.data.schedules.FixedDelay" and settings["--data.schedule.delay"] == 2
-    assert settings["--data.task"] == "lit_gmc.data.tasks.Addition" and "--data.engine.batch_rows" in settings
+    assert settings["--data.schedule"] == "lit_gmc.data.schedules.base.FixedDelay"
+    assert settings["--data.schedule.delay"] == 2
+    assert settings["--data.task"] == "lit_gmc.data.tasks.addition.Addition" and "--data.engine.batch_rows" in settings
 
 
 def test_a_resume_with_another_group_size_is_refused_naming_each_change(finished):
@@ -59,8 +60,8 @@ def test_another_schedule_class_is_one_line(finished):
     with pytest.raises(UserError) as refused:
         fit(config, "--data.schedule", "Sync", "--ckpt_path", str(run / "checkpoints" / "epoch=0-step=2.ckpt"))
     lines = str(refused.value).splitlines()[1:-1]
-    assert lines == ["  --data.schedule: 'lit_gmc.data.schedules.FixedDelay' in the checkpoint, "
-                     "'lit_gmc.data.schedules.Sync' now"]  # fmt: skip
+    assert lines == ["  --data.schedule: 'lit_gmc.data.schedules.base.FixedDelay' in the checkpoint, "
+                     "'lit_gmc.data.schedules.base.Sync' now"]  # fmt: skip
 
 
 def test_allowed_changes_resume(tmp_path):

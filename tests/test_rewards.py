@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from lit_gmc.data import rewards
-from lit_gmc.data.rewards import MathVerifier
+from lit_gmc.data.tasks import verifier as rewards
+from lit_gmc.data.tasks.verifier import MathVerifier
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,6 @@ def test_pickles_without_its_processes(verifier):
 
 
 def test_the_reward_module_imports_neither_torch_nor_transformers():
-    code = "import sys, lit_gmc.data.rewards; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, lit_gmc.data.tasks.verifier; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -220,7 +220,7 @@ import time
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
-from lit_gmc.data.tasks import Addition
+from lit_gmc.data.tasks.addition import Addition
 
 
 class SlowAddition(Addition):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules import DelaySchedule, FixedDelay, Sync
+from lit_gmc.data.schedules.base import DelaySchedule, FixedDelay, Sync
 
 
 class VersionedProducer:

@@ -39,7 +39,7 @@ def test_run_config_sets_the_axes_and_keeps_rule_defaults(tmp_path):
                                           "--set", "data.batch_prompts=2"))  # fmt: skip
     config = sweep.run_config(spec, tmp_path)
     assert config["seed_everything"] == 1 and config["data"]["seed"] == 1
-    fixed_delay = {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 32}}
+    fixed_delay = {"class_path": "lit_gmc.data.schedules.base.FixedDelay", "init_args": {"delay": 32}}
     assert config["data"] == {"schedule": fixed_delay, "group_size": 4, "seed": 1, "batch_prompts": 2}
     # GRPO keeps its own options (clip 0.2, its authors' aggregation)
     assert config["model"]["correction"] == {"class_path": "lit_gmc.rules.GRPO", "init_args": {}}
@@ -60,7 +60,7 @@ def test_aggregation_held_fixed_across_rules_is_in_every_config_and_name(tmp_pat
 def test_d0_is_the_papers_synchronous_protocol(tmp_path):
     """D = 0 of the fixed-delay suite is Algorithm 1 with 4 inner steps, not one on-policy update per batch."""
     (spec,) = sweep.expand_grid(grid_args("--methods", "gmc", "--delays", "0", "--seeds", "0"))
-    sync = {"class_path": "lit_gmc.data.schedules.Sync", "init_args": {"inner_steps": 4}}
+    sync = {"class_path": "lit_gmc.data.schedules.base.Sync", "init_args": {"inner_steps": 4}}
     assert sweep.run_config(spec, tmp_path)["data"]["schedule"] == sync
     fragment = yaml.safe_load((REPO / "configs" / "experiment" / "fixed_delay_d0.yaml").read_text())
     assert fragment["data"]["schedule"] == sync

@@ -22,11 +22,11 @@ BENCH_N = {"math500": 16, "gsm8k": 8}
 TITLES = {"math500": "MATH-500", "gsm8k": "GSM8K"}
 BASE = {"grpo": 0.30, "tic": 0.32, "gmc": 0.40}
 VIRTUAL_CLOCK = {
-    "class_path": "lit_gmc.data.virtual_clock.VirtualClock",
+    "class_path": "lit_gmc.data.schedules.virtual_clock.VirtualClock",
     "init_args": {"c_gen": 85.0, "lam": 28.0, "c_update": 1.0, "max_launches": 1351, "overlap": True},
 }
-FIXED_D64 = {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 64}}
-SYNC = {"class_path": "lit_gmc.data.schedules.Sync", "init_args": {"inner_steps": 4}}
+FIXED_D64 = {"class_path": "lit_gmc.data.schedules.base.FixedDelay", "init_args": {"delay": 64}}
+SYNC = {"class_path": "lit_gmc.data.schedules.base.Sync", "init_args": {"inner_steps": 4}}
 
 
 def greedy_of(method: str, seed: int, bench: str, step: int, bonus: float = 0.0) -> float:
@@ -185,7 +185,8 @@ def test_config_parameters_and_errors(root, tmp_path):
     assert plots.run_parameters(cfg, where) == {"method": "gmc", "delay": 64, "group_size": 8, "seed": 3,
                                                 "eps_schedule": "corollary1", "model": MODEL,
                                                 "schedule": "FixedDelay"}  # fmt: skip
-    live = config("tic", 0, {"class_path": "lit_gmc.data.live.Live", "init_args": {"workers": 1}}, tmp_path, "x")
+    live_schedule = {"class_path": "lit_gmc.data.schedules.live.Live", "init_args": {"workers": 1}}
+    live = config("tic", 0, live_schedule, tmp_path, "x")
     assert plots.run_parameters(live, where)["delay"] is None
     del cfg["data"]["group_size"]
     with pytest.raises(ValueError, match="data.group_size"):

@@ -23,7 +23,7 @@ import torch
 
 from lit_gmc.actor import build_char_tokenizer, load_actor
 from lit_gmc.callbacks.evaluation import Evaluation
-from lit_gmc.data.benchmarks import BenchmarkUnreachable, load_benchmark
+from lit_gmc.data.tasks.benchmarks import BenchmarkUnreachable, load_benchmark
 from lit_gmc.errors import UserError, UserFileNotFoundError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import torch
 from run_helpers import component, fit, records, write_config
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules import batch_from_state, batch_state
-from lit_gmc.data.virtual_clock import VirtualClock, launch_bound, mean_completion_length
+from lit_gmc.data.schedules.base import batch_from_state, batch_state
+from lit_gmc.data.schedules.virtual_clock import VirtualClock, launch_bound, mean_completion_length
 
 
 def make_batch(version: int, batch_id: int, length: int, rows: int = 2) -> list[RolloutGroup]:

@@ -22,10 +22,11 @@ from conftest import make_tiny_model
 from test_hf_engine import PROMPTS, learner_logprobs
 
 from lit_gmc.actor import TinyRecipe, build_tiny_model
-from lit_gmc.data.engines import HFEngine, RolloutEngine, SamplingParams
-from lit_gmc.data.recompute import BehaviorRecompute
-from lit_gmc.data.tasks import Prompt
-from lit_gmc.data.vllm_engine import INSTALL_HINT, import_vllm, request_seed, with_tied_head
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.hf import HFEngine
+from lit_gmc.data.engines.recompute import BehaviorRecompute
+from lit_gmc.data.engines.vllm import INSTALL_HINT, import_vllm, request_seed, with_tied_head
+from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.tblog import read_scalars
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -48,7 +49,7 @@ def saved_actor(tmp_path_factory, char_tokenizer):
 
 @pytest.fixture(scope="module")
 def shared_engine(saved_actor, char_tokenizer):
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     engine = VLLMEngine()
     engine.start(str(saved_actor[0]), tokenizer=char_tokenizer)
@@ -179,8 +180,8 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
             {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"}],
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": "tb"}}},
-        "data": {"engine": {"class_path": "lit_gmc.data.vllm_engine.VLLMEngine"},
-                 "schedule": {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 0}},
+        "data": {"engine": {"class_path": "lit_gmc.data.engines.vllm.VLLMEngine"},
+                 "schedule": {"class_path": "lit_gmc.data.schedules.base.FixedDelay", "init_args": {"delay": 0}},
                  "batch_prompts": 4, "recompute_behavior_logprobs": True},
         "checkpoint": {"every_n_train_steps": 0, "save_last": False, "save_top_k": 0},
     }))  # fmt: skip
@@ -200,7 +201,7 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
 
 
 def test_options_are_checked_with_their_names_in_one_message():
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     with pytest.raises(
         ValueError,
@@ -210,7 +211,7 @@ def test_options_are_checked_with_their_names_in_one_message():
 
 
 def test_machine_dependent_options_are_refused_without_cuda():
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     def problems(cuda, **options):
         merged = {"sleep_between_rollouts": False, "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": None,

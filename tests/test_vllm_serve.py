@@ -26,12 +26,12 @@ from run_helpers import Ranks, component, fit_command, records, server_checksums
 from test_hf_engine import PROMPTS
 from test_vllm_engine import FP32_TOLERANCE, LONG_PROMPT, engine_gap, perturbed, saved_actor  # noqa: F401
 
-from lit_gmc.data.engines import RolloutEngine, SamplingParams
-from lit_gmc.data.vllm_engine import INSTALL_HINT
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.vllm import INSTALL_HINT
 from lit_gmc.tblog import read_scalars
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-SERVERS_CLASS = "lit_gmc.data.vllm_serve.VLLMServers"
+SERVERS_CLASS = "lit_gmc.data.engines.vllm_serve.VLLMServers"
 TESTS = Path(__file__).resolve().parent
 FIT_STEPS, CHECKPOINT_EVERY = 4, 2
 # Per-step records equal exactly whatever the number of servers and learner processes: the same request seeds give
@@ -51,7 +51,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {
 
 @pytest.fixture(scope="module")
 def servers(saved_actor):  # noqa: F811
-    from lit_gmc.data.vllm_serve import VLLMServers
+    from lit_gmc.data.engines.vllm_serve import VLLMServers
 
     # Buckets of 48 KiB: the tiny actor's MLP weights (128 KiB each in fp32) travel split across several buckets.
     engine = VLLMServers(launch=2, max_model_len=256, startup_timeout_s=400, bucket_bytes=48 << 10)
@@ -146,7 +146,7 @@ class TestVLLMServers:
         assert engine_gap(groups, saved_actor[1], char_tokenizer.pad_token_id, temperature) <= FP32_TOLERANCE
 
     def test_same_seed_same_samples_on_one_server_or_two(self, engine, saved_actor):  # noqa: F811
-        from lit_gmc.data.vllm_serve import VLLMServers
+        from lit_gmc.data.engines.vllm_serve import VLLMServers
 
         one = VLLMServers(urls=engine.urls[:1])  # samples only: never joins a weight-transfer group
         one.start(str(saved_actor[0]))
@@ -203,7 +203,7 @@ class TestVLLMServers:
         assert all(g.version == 8 for g in engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=2)))
 
     def test_preflight_names_every_unreachable_server_and_wrong_model(self, engine, tmp_path):
-        from lit_gmc.data.vllm_serve import VLLMServers, free_port
+        from lit_gmc.data.engines.vllm_serve import VLLMServers, free_port
 
         dead = f"http://127.0.0.1:{free_port()}"
         problems = VLLMServers(urls=[engine.urls[0], dead]).preflight_problems(str(tmp_path / "other_model"))
@@ -245,7 +245,7 @@ class TestVLLMServers:
         Their per-step records are those of one process on one server, and after every weight sync (the one at the
         start of each run included) both servers hold the learner's weights.
         """
-        from lit_gmc.data.vllm_serve import VLLMServers
+        from lit_gmc.data.engines.vllm_serve import VLLMServers
 
         synced = tmp_path / "synced.jsonl"
         probe = component("run_helpers.ServedWeights", out=str(synced))
@@ -295,7 +295,7 @@ class TestVLLMServers:
 
 
 def test_options_are_checked_with_their_names_in_one_message():
-    from lit_gmc.data.vllm_serve import VLLMServers
+    from lit_gmc.data.engines.vllm_serve import VLLMServers
 
     with pytest.raises(ValueError, match=r"give urls \(running servers\) or launch >= 1"):
         VLLMServers()

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from lit_gmc.data.vllm_engine import INSTALL_HINT
+from lit_gmc.data.engines.vllm import INSTALL_HINT
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
@@ -31,7 +31,7 @@ class LoopbackClient:
         self.partial.clear()
 
     def update_weights(self, update_info: dict) -> None:
-        from lit_gmc.data.weight_transfer import GlooUpdateInfo, receive_bucket
+        from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_bucket
 
         self.announced.append(json.loads(json.dumps(update_info)))  # what HTTP would carry
         receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, self.received.__setitem__)
@@ -43,8 +43,8 @@ class LoopbackClient:
 @pytest.fixture
 def gloo_pair():
     """Ranks 0 and 1 of one gloo group (each opens its end on its own thread: the rendezvous waits for both)."""
-    from lit_gmc.data.vllm_serve import free_port
-    from lit_gmc.data.weight_transfer import open_gloo_group
+    from lit_gmc.data.engines.vllm_serve import free_port
+    from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
     port = free_port()
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -79,7 +79,7 @@ def sent_buffers(group, storages: set[int]):
 
 @pytest.mark.parametrize("bucket_bytes", [2, 10, 16, 64, 1 << 20])
 def test_every_tensor_arrives_cast_exactly_and_whole_through_two_buffers(gloo_pair, bucket_bytes):
-    from lit_gmc.data.weight_transfer import BucketSender
+    from lit_gmc.data.engines.weight_transfer import BucketSender
 
     client, storages = LoopbackClient(gloo_pair[1]), set()
     sender = BucketSender(client, sent_buffers(gloo_pair[0], storages), bucket_bytes, torch.bfloat16)
@@ -103,7 +103,7 @@ def test_without_splitting_each_bucket_is_one_vllm_packed_buffer(gloo_pair):
     whole tensors within bucket_bytes, or one larger tensor alone, laid out as vLLM's ``unpack_tensor`` reads it."""
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-    from lit_gmc.data.weight_transfer import BucketSender
+    from lit_gmc.data.engines.weight_transfer import BucketSender
 
     bucket_bytes, received, announced = 24, {}, []
 
@@ -131,7 +131,7 @@ def test_without_splitting_each_bucket_is_one_vllm_packed_buffer(gloo_pair):
 
 
 def test_a_loading_error_surfaces_once_the_whole_bucket_is_received(gloo_pair):
-    from lit_gmc.data.weight_transfer import BucketSender
+    from lit_gmc.data.engines.weight_transfer import BucketSender
 
     class RefusingClient(LoopbackClient):
         refuse = True
@@ -153,8 +153,8 @@ def test_a_loading_error_surfaces_once_the_whole_bucket_is_received(gloo_pair):
 
 
 def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
-    from lit_gmc.data.vllm_serve import free_port
-    from lit_gmc.data.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
+    from lit_gmc.data.engines.vllm_serve import free_port
+    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
 
     _, alone = open_gloo_group("127.0.0.1", free_port(), 0, 1, 10)
     info = GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[2], stops=[4])
@@ -165,7 +165,7 @@ def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
     with pytest.raises(ValueError, match=r"differ in length: \[1, 1, 1, 2, 2\]"):
         GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[0, 1], stops=[1, 4])
     with pytest.raises(ValueError, match="bucket_bytes=1 must hold one torch.bfloat16 element"):
-        from lit_gmc.data.weight_transfer import BucketSender
+        from lit_gmc.data.engines.weight_transfer import BucketSender
 
         BucketSender(None, None, 1, torch.bfloat16)
 
@@ -175,8 +175,8 @@ def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_ipc_is_refused_without_cuda_and_with_more_than_one_server_naming_the_flag():
-    from lit_gmc.data.components import component_problems
-    from lit_gmc.data.vllm_serve import VLLMServers
+    from lit_gmc.data.engines.vllm_serve import VLLMServers
+    from lit_gmc.options import component_problems
 
     problems = component_problems(VLLMServers, {"urls": ["http://a:8000"], "launch": 1, "backend": "ipc"},
                                   "--data.engine")  # fmt: skip
@@ -195,7 +195,7 @@ def test_ipc_handles_travel_as_vllms_worker_reads_them(monkeypatch):
     ``IPCWeightTransferUpdateInfo``, to the handles the engine gave (tuples with bytes, which JSON cannot carry)."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from lit_gmc.data.vllm_serve import json_update_info
+    from lit_gmc.data.engines.vllm_serve import json_update_info
 
     handles = {"GPU-0a1b": (7, b"\x00handle\xff", 4096, 0, b"\x01ref", 12, 0, False)}
     info = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]], "ipc_handles": handles,

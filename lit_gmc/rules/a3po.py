@@ -9,7 +9,7 @@ import torch
 from lit_gmc import objectives as O
 from lit_gmc.baselines import A3PO_BEHAVIOR_CAP, a3po_alpha, a3po_behavior_weight, loglinear_proximal_logprobs
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 
 class A3PO(Correction):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lit_gmc import objectives as O
 from lit_gmc.baselines import group_normalized_advantages
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 from lit_gmc.rules.tis import truncated_ratio_output
 
 

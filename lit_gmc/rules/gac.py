@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 from lit_gmc import objectives as O
 from lit_gmc.baselines import gac_shift, gradient_dot_and_norms
 from lit_gmc.corrections import Correction
-from lit_gmc.data.components import check_options
 from lit_gmc.distributed import full_tensor, like, local_part, rank_and_world, sum_across
+from lit_gmc.options import check_options
 from lit_gmc.rules.grpo import GRPO
 
 

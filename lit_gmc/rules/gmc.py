@@ -15,9 +15,9 @@ from lit_gmc.corrections import (
     positive_problem,
     trajectory_output,
 )
-from lit_gmc.data.components import check_options
 from lit_gmc.delays import RunningDelayMoments
 from lit_gmc.eps_schedules import corollary1_eps, corollary1_problems
+from lit_gmc.options import check_options
 
 
 class GMC(Correction):

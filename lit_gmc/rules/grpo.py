@@ -6,7 +6,7 @@ import torch
 
 from lit_gmc import objectives as O
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 
 def grpo_output(terms: PolicyTerms, clip: float) -> CorrectionOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lit_gmc import objectives as O
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, trajectory_output
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 
 class IS(Correction):

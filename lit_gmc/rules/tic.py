@@ -11,7 +11,7 @@ from lit_gmc.corrections import (
     positive_problem,
     trajectory_output,
 )
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 
 class TIC(Correction):

@@ -8,7 +8,7 @@ from torch import Tensor
 from lit_gmc import objectives as O
 from lit_gmc.baselines import truncated_token_ratio_loss
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 
 def truncated_ratio_output(terms: PolicyTerms, cap: float, adv: Tensor, name: str) -> CorrectionOutput:

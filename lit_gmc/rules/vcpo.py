@@ -11,7 +11,7 @@ from torch import Tensor
 from lit_gmc import objectives as O
 from lit_gmc.baselines import ess_step_factor, group_normalized_advantages, vcpo_baseline
 from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 
 class VCPO(Correction):

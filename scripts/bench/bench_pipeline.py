@@ -32,10 +32,10 @@ import torch
 
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.data.datamodule import RolloutDataModule
-from lit_gmc.data.engines import HFEngine
-from lit_gmc.data.live import Live
-from lit_gmc.data.schedules import FixedDelay
-from lit_gmc.data.tasks import Addition
+from lit_gmc.data.engines.hf import HFEngine
+from lit_gmc.data.schedules.base import FixedDelay
+from lit_gmc.data.schedules.live import Live
+from lit_gmc.data.tasks.addition import Addition
 from lit_gmc.module import GMCModule
 
 
@@ -66,7 +66,7 @@ def run(schedule: str, layout: str, steps: int, skip: int, split: tuple[int, int
     groups, rows = split
     chosen = FixedDelay(1) if schedule == "fixed_delay" else Live()  # D = 1: one launch per update, no bursts
     if layout == "vllm-dedicated":  # a `vllm serve` process of its own (requests over HTTP, weights over gloo)
-        from lit_gmc.data.vllm_serve import VLLMServers
+        from lit_gmc.data.engines.vllm_serve import VLLMServers
 
         engine = VLLMServers(launch=1)
     else:

@@ -29,8 +29,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lit_gmc.actor import build_char_tokenizer, ensure_tiny_actor, load_actor
-from lit_gmc.data.engines import HFEngine, SamplingParams
-from lit_gmc.data.tasks import Addition, Prompt
+from lit_gmc.data.engines.base import SamplingParams
+from lit_gmc.data.engines.hf import HFEngine
+from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.data.tasks.base import Prompt
 
 
 def mid_model(tokenizer, vocab: int, hidden: int, layers: int) -> Qwen3ForCausalLM:
@@ -75,7 +77,7 @@ def timed(fn, repeats: int, warm_up=None) -> tuple[float, object]:
 
 def engine_core_process_engine():
     """A ``VLLMEngine`` whose ``vllm.LLM`` runs its engine core in its own process, vLLM's default."""
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     class EngineCoreProcess(VLLMEngine):
         def _start(self, model_path: str):
@@ -89,12 +91,12 @@ def build_engine(kind: str, path: str, model, tokenizer):
     if kind == "hf":
         return HFEngine.from_model(model, tokenizer)
     if kind == "vllm-serve":  # one `vllm serve` process started here; requests over HTTP, weights over gloo/NCCL
-        from lit_gmc.data.vllm_serve import VLLMServers
+        from lit_gmc.data.engines.vllm_serve import VLLMServers
 
         engine = VLLMServers(launch=1)
         engine.start(path)
         return engine
-    from lit_gmc.data.vllm_engine import VLLMEngine
+    from lit_gmc.data.engines.vllm import VLLMEngine
 
     engine = engine_core_process_engine() if kind == "vllm-process" else VLLMEngine()
     engine.start(path, tokenizer=tokenizer)

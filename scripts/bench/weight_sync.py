@@ -6,7 +6,7 @@ loads what it receives into it:
 
 - ``file``: the retired ``VLLMEngine`` dedicated layout, reproduced: a host dict of copies of every tensor, one
   safetensors file in ``/dev/shm``, read back and loaded by the receiver;
-- ``stream``: :class:`lit_gmc.data.weight_transfer.BucketSender` (what ``VLLMServers`` uses) over a gloo group,
+- ``stream``: :class:`lit_gmc.data.engines.weight_transfer.BucketSender` (what ``VLLMServers`` uses) over a gloo group,
   two buffers of ``bucket_bytes`` (tensors cast into them piece by piece, a larger tensor split across buckets),
   each bucket received and its tensors loaded with ``receive_bucket``, as ``GlooWeightTransferEngine`` does.
   The receiver is a plain process doing the same receive and copy as the worker engine, not a vLLM server (a
@@ -83,7 +83,7 @@ def rss_bytes() -> int:
 def receiver(size: str, path: str, port: int, bucket_bytes: int, conn) -> None:
     """The sampling side: its own copy of the weights; receives updates as ``path`` sends them."""
     torch.set_num_threads(1)
-    from lit_gmc.data.weight_transfer import open_gloo_group
+    from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
     weights = random_weights(size)
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
@@ -100,7 +100,7 @@ def receiver(size: str, path: str, port: int, bucket_bytes: int, conn) -> None:
         elif message == "start":
             partial = {}
         elif message != "finish":  # one bucket, received as GlooWeightTransferEngine does
-            from lit_gmc.data.weight_transfer import GlooUpdateInfo, receive_bucket
+            from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_bucket
 
             receive_bucket(group, GlooUpdateInfo(**message), partial, lambda name, t: weights[name].copy_(t))
         conn.send("done")
@@ -145,7 +145,7 @@ def sync_once(path: str, weights: dict[str, torch.Tensor], group, conn, bucket_b
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     else:
-        from lit_gmc.data.weight_transfer import BucketSender
+        from lit_gmc.data.engines.weight_transfer import BucketSender
 
         sender = BucketSender(PipeClient(conn), lambda t: group.broadcast(t, 0), bucket_bytes, torch.bfloat16)
         sender.send(iter(weights.items()))
@@ -154,7 +154,7 @@ def sync_once(path: str, weights: dict[str, torch.Tensor], group, conn, bucket_b
 def measure(size: str, path: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
     """One (model, path) in this fresh process: median seconds and peak extra bytes, sent through ``out``."""
     torch.set_num_threads(1)
-    from lit_gmc.data.weight_transfer import open_gloo_group
+    from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
     weights = random_weights(size, getattr(torch, learner_dtype))
     port = int(os.environ["LIT_GMC_BENCH_PORT"])
@@ -204,7 +204,7 @@ def main() -> None:
     for size in args.models:
         floor = None
         for path in args.paths:
-            from lit_gmc.data.vllm_serve import free_port
+            from lit_gmc.data.engines.vllm_serve import free_port
 
             os.environ["LIT_GMC_BENCH_PORT"] = str(free_port())
             parent, child = context.Pipe()

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from lit_gmc.data.components import check_options
-from lit_gmc.data.schedules import Batch, DelaySchedule, Producer, batch_from_state, batch_state
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, Producer, batch_from_state, batch_state
+from lit_gmc.options import check_options
 
 
 def launch_bound(lam: float, c_gen: float, max_new_tokens: int | str) -> str | int:

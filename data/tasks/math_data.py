@@ -19,13 +19,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lit_gmc.data.answers import last_boxed
+from lit_gmc.data.tasks.answers import last_boxed
+from lit_gmc.data.tasks.base import Prompt, truncate_prompt
 from lit_gmc.errors import UserConnectionError, UserError, UserFileNotFoundError
-
-if TYPE_CHECKING:  # Prompt is imported where it is used, so that loading data needs nothing from tasks.py
-    from lit_gmc.data.tasks import Prompt
 
 LOCAL_SUFFIXES = (".json", ".jsonl")
 
@@ -116,39 +114,6 @@ def answer_region(completion: str) -> str:
     """
     cut = completion.find(f"\n{PROBLEM_MARK}")
     return completion if cut == -1 else completion[:cut]
-
-
-def truncate_prompt(text: str, tokenizer: Any, max_tokens: int) -> str:
-    """``text`` with its beginning cut so that it tokenizes to at most ``max_tokens`` tokens.
-
-    The end is kept because it holds the problem and the ``Solution:`` cue the model continues from. Only a
-    tail window of the text is tokenized (8 characters per allowed token, widened until it holds more than
-    ``max_tokens`` tokens or the whole text), so cutting a long prompt to a short budget stays cheap. The cut
-    falls on a token boundary from the fast tokenizer's offsets, then moves right until re-tokenizing the
-    kept text really fits (BPE merges can differ at the new start).
-
-    Raises:
-        ValueError: If ``max_tokens < 1`` or the tokenizer cannot report character offsets (not a fast tokenizer).
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_tokens}")
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("prompt truncation needs a fast tokenizer (character offsets of tokens)")
-    window = 8 * max_tokens
-    while True:
-        start = max(0, len(text) - window)
-        piece = text[start:]
-        offsets = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        if len(offsets) > max_tokens or start == 0:
-            break
-        window *= 4
-    if len(offsets) <= max_tokens:
-        return text
-    for index in range(len(offsets) - max_tokens, len(offsets)):
-        kept = piece[offsets[index][0] :]
-        if len(tokenizer(kept, add_special_tokens=False)["input_ids"]) <= max_tokens:
-            return kept
-    return ""
 
 
 def is_file_source(path: str) -> bool:
@@ -349,8 +314,6 @@ def make_prompts(
     items: Sequence[tuple[int, str, str]], tokenizer: Any = None, max_prompt_tokens: int | None = None
 ) -> list[Prompt]:
     """Prompts from ``(id, problem, answer)`` triples: the two-shot template, then truncation if a limit is set."""
-    from lit_gmc.data.tasks import Prompt
-
     if max_prompt_tokens is not None and tokenizer is None:
         raise ValueError("max_prompt_tokens needs a tokenizer to count tokens")
     texts = [build_prompt(problem) for _, problem, _ in items]
@@ -370,7 +333,7 @@ class MathScorer:
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, cut_at_next_problem: bool = False) -> None:
-        from lit_gmc.data.rewards import MathVerifier
+        from lit_gmc.data.tasks.verifier import MathVerifier
 
         self.verifier = MathVerifier(num_workers=num_workers, timeout_s=timeout_s)
         self.cut_at_next_problem = cut_at_next_problem

@@ -1,8 +1,13 @@
-"""Rollout engines (DESIGN.md §5): sample G responses per prompt and record their behaviour log-probs.
+"""The transformers engine (DESIGN.md §5): ``generate`` on a behaviour copy of the actor, in this process or its own.
 
-Every engine implements :class:`RolloutEngine`. The behaviour log-prob of a token is its log-probability
-under the distribution it was actually sampled from (temperature and top-p applied), which is what the
-learner's ratio ``pi_theta / pi_behaviour`` needs. Rewards are left at zero: the task scores them.
+``HFEngine(layout="dedicated")`` runs the engine in a spawned process (:class:`EngineProcess`), so that
+generation and learning run at the same time: in one process, a background generation thread and the learner
+share the interpreter lock, and the tiny job's many small kernels hold it most of the time. Weights are shared,
+not sent: the engine process moves its model's parameters into shared memory and hands them to the learner's
+process, which writes published weights into them in place. A write and a generation never overlap (one lock),
+and versions are stamped under that lock, so each batch carries the version of the weights it was generated
+with. Written on ``torch.multiprocessing`` (spawn) rather than a serving framework: the engine is one object with
+two calls, and the tensors it exchanges are what torch's shared-memory pickling already moves.
 """
 
 from __future__ import annotations
@@ -10,65 +15,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
+import numpy as np
 import torch
+import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.components import check_options
-from lit_gmc.data.engine_process import EngineProcess, copy_weights
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.options import check_options
 
 SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring the sampled tokens
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy (log-probs then use the raw logits).
-
-    Attributes:
-        temperature: Softmax temperature; the paper uses 1.0.
-        top_p: Nucleus mass; the paper uses 1.0.
-        max_new_tokens: Completion budget ``T`` (the paper's 4,096).
-        seed: Seed of this call's sampling noise (same seed, same weights: same samples).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-    seed: int = 0
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """The one interface the DataModule and the evaluation callback use.
-
-    An engine is built from its own options (a LightningCLI component, ``data.engine``); the DataModule then
-    calls :meth:`start` with the actor, and reads :attr:`tokenizer` to decode and pad.
-    """
-
-    tokenizer: Any
-
-    def start(self, actor: str) -> None:
-        """Load the actor (``"tiny"``, a hub name or a local path) as the sampling weights, at version 0."""
-
-    @property
-    def version(self) -> int:
-        """Policy version (optimizer updates) of the weights currently used for sampling."""
-
-    def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
-        """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Replace the sampling weights in place and set ``version``."""
-
-    def close(self) -> None:
-        """Release the engine's resources; idempotent."""
 
 
 def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
@@ -122,7 +85,7 @@ class HFEngine(RolloutEngine):
     Args:
         batch_rows: Most rows (prompts x n) per ``generate`` call, to bound memory.
         layout: ``colocated`` (in the learner's process) or ``dedicated``: in a process of its own
-            (:mod:`lit_gmc.data.engine_process`), so that a background schedule (``Live``, ``VirtualClock`` with
+            (:mod:`lit_gmc.data.engines.hf`), so that a background schedule (``Live``, ``VirtualClock`` with
             ``overlap``) generates while the learner learns, instead of sharing one interpreter with it. The
             samples are the same in both layouts.
         threads: ``dedicated`` only: torch threads of the engine process; ``null`` takes this process's number
@@ -277,3 +240,114 @@ class HFEngine(RolloutEngine):
         if self._process is not None:
             self._process.close()
             self._process = None
+
+
+def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """Copy each named tensor into ``parameters[name]`` in place, cast to its dtype and device."""
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in parameters:
+                raise KeyError(f"load_weights: unknown parameter {name!r}")
+            parameters[name].copy_(tensor)  # copy_ casts to the target's dtype and device itself
+
+
+def as_arrays(group: RolloutGroup) -> RolloutGroup:
+    """``group`` with numpy arrays for its tensors, which pickle inline.
+
+    Torch would put every small tensor in a shared-memory file of its own, slower than sending the bytes.
+    """
+    return dataclasses.replace(group, **{
+        field.name: value.numpy() for field in dataclasses.fields(group)
+        if isinstance(value := getattr(group, field.name), Tensor)
+    })  # fmt: skip
+
+
+def as_tensors(group: RolloutGroup) -> RolloutGroup:
+    """The inverse of :func:`as_arrays`."""
+    return dataclasses.replace(group, **{
+        field.name: torch.from_numpy(value) for field in dataclasses.fields(group)
+        if isinstance(value := getattr(group, field.name), np.ndarray)
+    })  # fmt: skip
+
+
+def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None:
+    """The engine process: load ``actor``, share its parameters, then answer ``generate`` calls until ``close``."""
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        engine = HFEngine(batch_rows)
+        engine.start(actor)
+        engine.model.share_memory()
+        connection.send(("ready", dict(engine.model.named_parameters())))
+    except BaseException:
+        connection.send(("error", traceback.format_exc()))
+        return
+    while True:
+        request, args = connection.recv()
+        if request == "close":
+            return
+        try:
+            connection.send(("ok", [as_arrays(group) for group in engine.generate(*args)]))
+        except BaseException:
+            connection.send(("error", traceback.format_exc()))
+
+
+class EngineProcess:
+    """The client side: starts the engine process and talks to it (used by ``HFEngine(layout="dedicated")``).
+
+    Args:
+        actor: What the engine process loads (``"tiny"``, a hub name or a local path).
+        batch_rows: ``HFEngine``'s rows per ``generate`` call.
+        threads: torch threads of the engine process (``None``: torch's default).
+    """
+
+    def __init__(self, actor: str, batch_rows: int, threads: int | None) -> None:
+        context = mp.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child, actor, batch_rows, threads), name="lit_gmc-engine", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.lock = threading.Lock()
+        self.parameters: dict[str, Tensor] = self._reply("starting")
+
+    def _died(self, doing: str) -> RuntimeError:
+        self.process.join(timeout=5)
+        return RuntimeError(f"the engine process died while {doing} (exit code {self.process.exitcode})")
+
+    def _reply(self, doing: str) -> Any:
+        """The engine process's answer, or a ``RuntimeError`` with its traceback (or its exit code if it died)."""
+        try:
+            status, value = self.connection.recv()
+        except (EOFError, OSError):
+            raise self._died(doing) from None
+        if status == "error":
+            raise RuntimeError(f"the engine process failed while {doing}:\n{value}")
+        return value
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Write ``named_tensors`` into the engine's shared parameters (the caller holds :attr:`lock`)."""
+        copy_weights(self.parameters, named_tensors)
+
+    def generate(self, prompts: Sequence[Prompt], n: int, sampling) -> list[RolloutGroup]:
+        """The engine process's ``HFEngine.generate`` (the caller holds :attr:`lock`)."""
+        try:
+            self.connection.send(("generate", (list(prompts), n, sampling)))
+        except OSError:  # a broken pipe: the process is gone
+            raise self._died("generating") from None
+        return [as_tensors(group) for group in self._reply("generating")]
+
+    def close(self) -> None:
+        """Stop the engine process (at once if it does not stop by itself); idempotent."""
+        if self.process.is_alive():
+            try:
+                self.connection.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.connection.close()
+        self.parameters = {}

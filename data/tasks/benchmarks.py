@@ -1,6 +1,6 @@
 r"""The paper's six evaluation benchmarks, each read into ``(problem, reference answer)`` pairs.
 
-Each benchmark has a default hub source (a :class:`~lit_gmc.data.math_data.DataSource`: dataset, config,
+Each benchmark has a default hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`: dataset, config,
 split and the columns to read), so a plain clone needs no local files. A local JSONL copy (the files in
 ``../shared/data``, see its ``SOURCES.md``), a data folder holding those copies, a dataset folder laid out like
 the hub repository, or another hub name overrides it (:func:`load_benchmark`). Everything is read through the
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lit_gmc.data.answers import gsm8k_final_answer, last_boxed, reference_text
-from lit_gmc.data.math_data import DataSource, load_records, resolve_source, row_location
+from lit_gmc.data.tasks.answers import gsm8k_final_answer, last_boxed, reference_text
+from lit_gmc.data.tasks.math_data import DataSource, load_records, resolve_source, row_location
 from lit_gmc.errors import UserConnectionError, UserError, UserFileNotFoundError
 
 

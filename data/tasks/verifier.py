@@ -11,8 +11,8 @@ Equivalence is math-verify's (parse both sides to sympy, compare). Two propertie
   throws, and any crash of a worker (memory is capped per worker), is a reward of 0. Only a worker that
   cannot start at all (a broken install) raises, because silently scoring every response 0 would be worse.
 
-This module imports only the standard library and ``lit_gmc.data.answers`` (never torch or transformers),
-and runs as the worker itself: ``python -m lit_gmc.data.rewards --serve``.
+This module imports only the standard library and ``lit_gmc.data.tasks.answers`` (never torch or transformers),
+and runs as the worker itself: ``python -m lit_gmc.data.tasks.verifier --serve``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from lit_gmc.data.answers import last_boxed
+from lit_gmc.data.tasks.answers import last_boxed
 
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy can take a while on a loaded machine
 _READY = "ready"
@@ -74,7 +74,7 @@ def serve(seconds: int, memory_limit_mb: int) -> None:
 
 def worker_command(seconds: int, memory_limit_mb: int) -> list[str]:
     """Command line of one worker: this module in a fresh interpreter (no fork of a process full of threads)."""
-    return [sys.executable, "-m", "lit_gmc.data.rewards", "--serve", str(seconds), str(memory_limit_mb)]
+    return [sys.executable, "-m", "lit_gmc.data.tasks.verifier", "--serve", str(seconds), str(memory_limit_mb)]
 
 
 class _Worker:
@@ -220,5 +220,5 @@ class MathVerifier:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "--serve":
-        sys.exit("usage: python -m lit_gmc.data.rewards --serve SECONDS MEMORY_LIMIT_MB")
+        sys.exit("usage: python -m lit_gmc.data.tasks.verifier --serve SECONDS MEMORY_LIMIT_MB")
     serve(int(sys.argv[2]), int(sys.argv[3]))

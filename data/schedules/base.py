@@ -20,7 +20,7 @@ from dataclasses import fields
 from typing import Any
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.components import check_options
+from lit_gmc.options import check_options
 
 Batch = list[RolloutGroup]
 Producer = Callable[..., list[Batch]]

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup, collate_groups
-from lit_gmc.data.engine_process import copy_weights
-from lit_gmc.data.engines import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.hf import copy_weights
 from lit_gmc.logprobs import response_logprobs
 
 

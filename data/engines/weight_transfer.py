@@ -48,9 +48,9 @@ try:  # this module is vLLM's plugin: its classes derive from vLLM's
         WeightTransferUpdateInfo,
     )
 except ImportError as err:
-    from lit_gmc.data.vllm_engine import INSTALL_HINT  # only here: every vLLM process imports this module
+    from lit_gmc.data.engines.vllm import INSTALL_HINT  # only here: every vLLM process imports this module
 
-    raise ImportError(f"lit_gmc.data.weight_transfer needs vLLM: {INSTALL_HINT}") from err
+    raise ImportError(f"lit_gmc.data.engines.weight_transfer needs vLLM: {INSTALL_HINT}") from err
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # one /update_weights call per bucket; the sender holds one bucket

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lit_gmc.data.components import check_options
-from lit_gmc.data.math_data import (
+from lit_gmc.data.tasks.base import Prompt, Task, prompts_in_chat_template
+from lit_gmc.data.tasks.math_data import (
     MATH_TRAIN_SOURCE,
     MathScorer,
     is_local,
@@ -14,14 +14,14 @@ from lit_gmc.data.math_data import (
     load_tokenizer,
     make_prompts,
 )
-from lit_gmc.data.tasks import Prompt, Task, prompts_in_chat_template
+from lit_gmc.options import check_options
 
 
 class Math(Task):
     r"""MATH training prompts (two-shot), MATH-500 as held-out prompts, and the paper's math-verify reward.
 
     The reward is 1 when the last complete ``\boxed{}`` of a completion is equivalent to the reference under
-    math-verify, else 0 (see :class:`~lit_gmc.data.math_data.MathScorer`).
+    math-verify, else 0 (see :class:`~lit_gmc.data.tasks.math_data.MathScorer`).
 
     Args:
         path: MATH training data: ``null`` for the default hub source, or a local JSON/JSONL file or dataset
@@ -120,7 +120,7 @@ class Math(Task):
     def test_prompts(self) -> Sequence[Prompt]:
         """MATH-500 prompts (same template and truncation), loaded on first call."""
         if self._test is None:
-            from lit_gmc.data.benchmarks import load_benchmark
+            from lit_gmc.data.tasks.benchmarks import load_benchmark
 
             items = load_benchmark("math500", source=self.test_path).items
             self._test = self._prompts([(i, item.problem, item.answer) for i, item in enumerate(items)])

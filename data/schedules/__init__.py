@@ -1,0 +1,1 @@
+"""Delay schedules: the protocol with FixedDelay and Sync, the virtual clock, and Live."""

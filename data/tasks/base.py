@@ -1,0 +1,143 @@
+"""The task protocol: prompts, the chat-template wrapping and the prompt budget every task gets, the prompt stream.
+
+A task is a list of training prompts, a list of held-out prompts and a reward function; the stream
+walks the training prompts in a seeded order, epoch after epoch, and can be checkpointed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+from lit_gmc.errors import UserError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One verifiable problem: ``text`` is what the engine sees, ``answer`` what the reward checks."""
+
+    id: int
+    text: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the DataModule needs from a task (``data.task``): any class with these three methods works.
+
+    A task may also define ``setup(tokenizer)``: the DataModule calls it once, with the rollout engine's
+    tokenizer, before it reads the prompts (e.g. to wrap them in the tokenizer's chat template). The DataModule then
+    cuts every task's training prompts to ``--data.max_prompt_tokens`` and checks the longest against the actor's
+    context. The task's own ``score`` is the reward unless ``--data.reward`` names another function.
+    """
+
+    def train_prompts(self) -> Sequence[Prompt]:
+        """Training prompts, in a fixed order (the stream shuffles)."""
+
+    def test_prompts(self) -> Sequence[Prompt]:
+        """Held-out prompts, never trained on."""
+
+    def score(self, completions: Sequence[str], answer: str) -> list[float]:
+        """Rewards of the completions of one prompt, each in ``[0, 1]``."""
+
+
+def in_chat_template(text: str, tokenizer: Any, option: str = "--data.task.chat_template") -> str:
+    """``text`` as a user turn in ``tokenizer``'s chat template, followed by the assistant's opening.
+
+    The template's own special tokens are part of the text, so the engine must not add them again (neither engine
+    does: prompts are tokenized without special tokens).
+    """
+    try:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    except (ValueError, AttributeError) as err:  # transformers: "Cannot use chat template functions ... not set"
+        raise UserError(
+            f"{option}: the actor's tokenizer has no chat template ({type(tokenizer).__name__}); leave {option} "
+            "off for a base model, or choose an instruction-tuned actor"
+        ) from err
+
+
+def prompts_in_chat_template(
+    prompts: Sequence[Any], tokenizer: Any, option: str = "--data.task.chat_template"
+) -> list[Any]:
+    """``prompts`` (dataclasses with a ``text``, e.g. :class:`Prompt`), each text :func:`in_chat_template`."""
+    return [replace(prompt, text=in_chat_template(prompt.text, tokenizer, option)) for prompt in prompts]
+
+
+class PromptStream:
+    """Endless seeded walk over a task's training prompts: a fresh permutation every epoch.
+
+    Args:
+        prompts: The prompts to walk.
+        seed: Seed of the permutations (epoch ``e`` uses ``seed + e``, so the order is reproducible).
+    """
+
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0) -> None:
+        if not prompts:
+            raise ValueError("the prompt stream needs at least one prompt")
+        self.prompts = prompts
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[Prompt]:
+        """The next ``k`` prompts."""
+        out = []
+        for _ in range(k):
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.prompts[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: seed, epoch and position in the epoch's permutation."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict` and rebuild the epoch's permutation."""
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._order = self._permutation(self.epoch)
+
+
+def truncate_prompt(text: str, tokenizer: Any, max_tokens: int) -> str:
+    """``text`` with its beginning cut so that it tokenizes to at most ``max_tokens`` tokens.
+
+    The end is kept because it holds the problem and the ``Solution:`` cue the model continues from. Only a
+    tail window of the text is tokenized (8 characters per allowed token, widened until it holds more than
+    ``max_tokens`` tokens or the whole text), so cutting a long prompt to a short budget stays cheap. The cut
+    falls on a token boundary from the fast tokenizer's offsets, then moves right until re-tokenizing the
+    kept text really fits (BPE merges can differ at the new start).
+
+    Raises:
+        ValueError: If ``max_tokens < 1`` or the tokenizer cannot report character offsets (not a fast tokenizer).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_tokens}")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("prompt truncation needs a fast tokenizer (character offsets of tokens)")
+    window = 8 * max_tokens
+    while True:
+        start = max(0, len(text) - window)
+        piece = text[start:]
+        offsets = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) > max_tokens or start == 0:
+            break
+        window *= 4
+    if len(offsets) <= max_tokens:
+        return text
+    for index in range(len(offsets) - max_tokens, len(offsets)):
+        kept = piece[offsets[index][0] :]
+        if len(tokenizer(kept, add_special_tokens=False)["input_ids"]) <= max_tokens:
+            return kept
+    return ""
