@@ -38,7 +38,13 @@ def test_wheel_installs_into_a_fresh_venv_and_every_public_module_imports(tmp_pa
     (wheel,) = dist.glob("lit_gmc-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert len(names) == len(set(names)), "a file packed twice (through the links in lit_gmc/?)"
-    for expected in ("lit_gmc/callbacks/weight_sync.py", "lit_gmc/data/engines.py", "lit_gmc/configs/tiny.yaml"):
+    for expected in (
+        "lit_gmc/callbacks/weight_sync.py",
+        "lit_gmc/data/engines/hf.py",
+        "lit_gmc/data/tasks/verifier.py",
+        "lit_gmc/data/schedules/live.py",
+        "lit_gmc/configs/tiny.yaml",
+    ):
         assert expected in names, f"{expected} missing from the wheel"
     assert not any(n.startswith(("callbacks/", "data/", "configs/", "tests/")) for n in names), (
         "stray top-level package"

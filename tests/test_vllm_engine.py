@@ -173,11 +173,13 @@ class TestVLLMEngine:
 @pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
 def test_tiny_fit_with_the_vllm_engine(tmp_path):
     """``python -m lit_gmc fit --data.engine VLLMEngine`` on the tiny default: on-policy rows show the engine and the
-    learner agree after every in-place sync, and the recompute option logs the gap it removes."""
+    learner agree after every in-place sync, the recompute option logs the gap it removes, and with it the
+    diagnostics' on-policy gap is exactly 0 (the learner's numerics on both sides of the ratio)."""
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({
         "trainer": {"max_steps": 4, "enable_progress_bar": False, "callbacks": [
-            {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"}],
+            {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"},
+            {"class_path": "lit_gmc.callbacks.diagnostics.Diagnostics"}],
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": "tb"}}},
         "data": {"engine": {"class_path": "lit_gmc.data.engines.vllm.VLLMEngine"},
@@ -195,6 +197,10 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
     for tag in ("schedule/engine_gap_abs_max", "mismatch/abs_max"):
         values = [v for _, v in scalars[tag]]
         assert len(values) == 4 and max(values) <= 1e-4, (tag, values)
+    assert max(v for _, v in scalars["schedule/engine_gap_abs_max"]) > 0  # vLLM's kernels are not the learner's
+    assert [v for _, v in scalars["diag/gap/on_policy_rows"]] == [32.0] * 4  # 4 prompts x 8 responses, all fresh
+    for tag in ("diag/gap/seq_abs_max", "diag/gap/token_abs_max", "mismatch/abs_max"):
+        assert [v for _, v in scalars[tag]] == [0.0] * 4, tag
 
 
 # ---- no vLLM needed ----
