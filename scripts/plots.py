@@ -388,7 +388,7 @@ def main_group_size(runs: list[Run]) -> int:
 
 def panels(count: int, title: str):
     fig, axes = plt.subplots(1, count, figsize=(4.2 * count, 3.4), squeeze=False, sharey=True)
-    fig.suptitle(title)
+    fig.suptitle(title, wrap=True)  # one panel is narrower than most titles
     return fig, axes[0]
 
 
