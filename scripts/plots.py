@@ -8,10 +8,9 @@ Runs not marked done in the manifest are left out and listed. Outputs:
 - ``fig2_pass_at_1``: sampled pass@1 (avg@n, macro over the run's evaluation suites) vs checkpoint, one panel per
   delay, one line per method (mean over seeds, band = one standard deviation); the tiny study's analogue of the
   paper's Figures 2/3 (those, on MATH-500, come from ``scripts/tables.py``).
-- ``fig4_entropy``: token entropy per update, faint raw and solid centred rolling mean (window 25), a dashed
-  line where the delay queue starts draining, one panel per delay; the paper's Figure 4.
-- ``fig5_reward_by_group_size``: training reward (centred rolling mean) for each group size G at the delay
-  of the group-size runs; the paper's Figure 5.
+- ``fig4_entropy`` and ``fig5_reward_by_group_size``: the paper's Figures 4 and 5, drawn by the same functions
+  (:func:`figure_entropy`, :func:`figure_reward_by_group_size`) that ``scripts/tables.py`` uses for run folders:
+  entropy per update under fixed delays with queue-drain lines, and GMC-GRPO vs TIC-GRPO reward per group size.
 - ``tables.md``: Markdown tables, "greedy / avg@n" in percent, mean ± std over seeds: held-out accuracy and
   final training reward by method and delay (Table 1), the corrections' diagnostics by method and delay
   (Table 2), by group size (Table 3), and constant vs Corollary-1 threshold at the largest delay (Table 4). These
@@ -19,7 +18,7 @@ Runs not marked done in the manifest are left out and listed. Outputs:
   ``--doc FILE`` also replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE
   (``NAME`` from ``--block``, default ``tables``).
 
-The paper's tables (Tables 1, 3, 4 and 5) and figures (Figures 2/3 on MATH-500, Figure 6) come from the sibling
+The paper's tables (Tables 1, 3, 4 and 5) and figures (Figures 2-6) come from the sibling
 ``scripts/tables.py``, which loads runs with :func:`load_sweep` or, for runs launched directly with
 ``python -m lit_gmc fit`` (one logger folder per run, ``version_*`` folders for its resumptions), with
 :func:`load_run_folders` (their ``config.yaml`` gives the parameters; see :func:`run_parameters`).
@@ -62,10 +61,14 @@ DIAGNOSTICS = (("diag/tic/dropped_fraction", "TIC-dropped trajectories", "mean")
                ("diag/log_rho/abs_mean", "mean abs log ratio", "mean"),
                ("diag/corr/log_rho_vs_length", "corr(log ratio, length)", "mean"))  # fmt: skip
 """Table 2: (tag, column, how the run's per-update values are summarised); the removed mass is heavy-tailed."""
-METHOD_ORDER = ("grpo", "tic", "vcpo", "gac", "a3po", "gmc")
-"""Row and legend order: baselines first, GMC last; other rules follow in name order."""
-LABELS = {"a3po": "A-3PO"}
-"""Display names that are not the rule's name in capitals."""
+FIXED_DELAY_ORDER = ("gmc", "tic", "grpo")
+"""The paper's order in its fixed-delay results (Table 3, App. B.2.1; Table 4 and Figure 5, App. B.2.2)."""
+SIMULATED_ORDER = ("grpo", "gac", "vcpo", "tic", "gmc")
+"""The paper's order in Table 1 (Sec. 5): baselines first, GMC-GRPO last (A-3PO is Table 5's, App. B.2.3)."""
+METHOD_ORDER = (*FIXED_DELAY_ORDER, "vcpo", "gac", "a3po")
+"""Default row and legend order; rules not listed follow in name order."""
+LABELS = {"gmc": "GMC-GRPO", "tic": "TIC-GRPO", "a3po": "A-3PO"}
+"""The paper's names of the rules that are not the rule's name in capitals (Sec. 5, Tables 1-5)."""
 MODEL_KEYS = ("actor", "model")
 """Manifest fields naming a run's model, tried before ``overrides["model.actor"]`` and the run's config.json."""
 
@@ -75,9 +78,9 @@ class Run:
     """One finished run: its grid parameters, scalar series and evaluations by step.
 
     ``model`` is the actor the run trained (``""`` when the manifest and config do not name one). ``delay`` is
-    the fixed delay D (0 for ``Sync``); a run loaded from its own folder without a fixed delay (``VirtualClock``,
-    ``Live``) has ``None`` there (a sweep's such runs sit at 0), and ``schedule`` names its schedule class
-    (``""`` for a sweep's runs).
+    the fixed delay D (0 for ``Sync``, the paper's D = 0 protocol), read from the run's schedule: a run without a
+    fixed delay (``VirtualClock``, ``Live``, or a sweep entry that names no schedule) has ``None`` there, never a
+    default, and ``schedule`` names its schedule class (``""`` when nothing names it).
     """
 
     name: str
@@ -103,10 +106,14 @@ class Run:
 
     @property
     def drain_step(self) -> int | None:
+        """The update at which the delay queue started draining (Diagnostics' one-off marker, else its flag)."""
         if "diag/drain/step" in self.scalars:
             return int(self.scalars["diag/drain/step"][0][1])
-        draining = [s for s, v in self.scalars.get("schedule/draining", []) if v > 0.5]
-        return min(draining) if draining else None
+        for tag in ("diag/drain/active", "schedule/draining"):
+            draining = [s for s, v in self.scalars.get(tag, []) if v > 0.5]
+            if draining:
+                return min(draining)
+        return None
 
     def final_reward(self) -> float | None:
         values = [v for _, v in self.series(REWARD_TAGS)[-FINAL_UPDATES:]]
@@ -144,13 +151,28 @@ def load_sweep(sweep: Path) -> tuple[list[Run], list[str]]:
         if info.get("status") != "done":
             missing.append(name)
             continue
-        evals = read_evals(run_dir)
-        # A run without a fixed delay (a virtual-clock schedule) sits at D = 0 in the delay grid's figures.
-        delay = int(info.get("delay") or 0)
-        runs.append(Run(name, info["method"], delay, int(info["group_size"]), int(info["seed"]),
-                        info.get("eps_schedule", "constant"), read_scalars(run_dir), evals,
-                        model_of(info, run_dir)))  # fmt: skip
+        params = sweep_parameters(info, run_dir)
+        runs.append(Run(name, params["method"], params["delay"], params["group_size"], params["seed"],
+                        params["eps_schedule"], read_scalars(run_dir), read_evals(run_dir), model_of(info, run_dir),
+                        params["schedule"]))  # fmt: skip
     return runs, missing
+
+
+def sweep_parameters(info: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """A sweep run's :class:`Run` fields, read as for a run folder: from the config it trained with.
+
+    ``scripts/sweep.py`` writes each run's ``config.json`` in the layout of LightningCLI's ``config.yaml``, so
+    :func:`run_parameters` places both the same way (D from the schedule). A manifest entry without a config falls
+    back on its own fields; without a ``delay`` field it has no fixed delay (``None``), never D = 0.
+    """
+    config_path = run_dir / "config.json"
+    if config_path.exists():
+        return run_parameters(json.loads(config_path.read_text()), config_path)
+    delay = info.get("delay")
+    return {"method": str(info["method"]).lower(), "delay": None if delay is None else int(delay),
+            "group_size": int(info["group_size"]), "seed": int(info["seed"]),
+            "eps_schedule": info.get("eps_schedule", "constant"),
+            "schedule": "" if delay is None else ("Sync" if int(delay) == 0 else "FixedDelay")}  # fmt: skip
 
 
 def model_of(info: dict[str, Any], run_dir: Path) -> str:
@@ -345,17 +367,17 @@ def seed_mean(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[fl
     return common, [m for m, _ in stats], [s for _, s in stats]
 
 
-def group(runs: list[Run], **where: Any) -> dict[str, list[Run]]:
-    """Runs matching ``where`` (attribute = value), by label, in a fixed method order."""
+def group(runs: list[Run], method_order: tuple[str, ...] = METHOD_ORDER, **where: Any) -> dict[str, list[Run]]:
+    """Runs matching ``where`` (attribute = value), by label, in ``method_order`` (other rules after, by name)."""
     out: dict[str, list[Run]] = {}
-    for run in sorted(runs, key=lambda r: (order(r.method), r.eps_schedule, r.seed)):
+    for run in sorted(runs, key=lambda r: (order(r.method, method_order), r.method, r.eps_schedule, r.seed)):
         if all(getattr(run, key) == value for key, value in where.items()):
             out.setdefault(run.label, []).append(run)
     return out
 
 
-def order(method: str) -> int:
-    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+def order(method: str, method_order: tuple[str, ...] = METHOD_ORDER) -> int:
+    return method_order.index(method) if method in method_order else len(method_order)
 
 
 def main_group_size(runs: list[Run]) -> int:
@@ -366,7 +388,7 @@ def main_group_size(runs: list[Run]) -> int:
 
 def panels(count: int, title: str):
     fig, axes = plt.subplots(1, count, figsize=(4.2 * count, 3.4), squeeze=False, sharey=True)
-    fig.suptitle(title)
+    fig.suptitle(title, wrap=True)  # one panel is narrower than most titles
     return fig, axes[0]
 
 
@@ -399,23 +421,38 @@ def figure_pass_at_1(runs: list[Run], out: Path) -> list[Path]:
     return save(fig, out, "fig2_pass_at_1")
 
 
-def figure_entropy(runs: list[Run], out: Path) -> list[Path]:
-    g = main_group_size(runs)
-    delays = sorted({r.delay for r in runs if r.group_size == g})
-    fig, axes = panels(len(delays), f"Token entropy per update (faint: raw, solid: centred mean of {WINDOW})")
+def faint_and_smoothed(ax, steps: list[int], values: list[float], label: str, **style: Any) -> None:
+    """Per-update values as a faint curve and their centred rolling mean over :data:`WINDOW` updates as a solid one
+    (the paper's Figures 4-6: "faint curves ... per-update measurements, solid curves ... smoothed")."""
+    line = ax.plot(steps, values, alpha=0.25, linewidth=0.8, **style)[0]
+    style = {**style, "color": line.get_color()}
+    ax.plot(steps, centred_rolling_mean(values, WINDOW), label=label, **style)
+
+
+def figure_entropy(runs: list[Run], out: Path, stem: str = "fig4_entropy") -> list[Path]:
+    """The paper's Figure 4 (App. B.2.1): current-policy token entropy per update under fixed delays.
+
+    One panel per delay D (runs at the delay grid's group size), one method a colour in the paper's order (seed
+    mean per update: faint; centred rolling mean over 25 updates: solid), a dashed vertical line at each update
+    where a run's queue started draining (its ``diag/drain/step`` record), after which nothing new is generated.
+    """
+    fixed = [r for r in runs if r.delay is not None and r.series(ENTROPY_TAGS)]
+    if not fixed:
+        return []
+    g = main_group_size(fixed)
+    delays = sorted({r.delay for r in fixed if r.group_size == g})
+    fig, axes = panels(len(delays), f"Token entropy per update (faint: per update, solid: centred mean of {WINDOW})")
     for ax, delay in zip(axes, delays, strict=True):
-        drains = set()
-        for label, members in group(runs, delay=delay, group_size=g).items():
+        for label, members in group(fixed, FIXED_DELAY_ORDER, delay=delay, group_size=g).items():
             steps, mean, _ = seed_mean([r.series(ENTROPY_TAGS) for r in members])
-            line = ax.plot(steps, mean, alpha=0.25, linewidth=0.8)[0]
-            ax.plot(steps, centred_rolling_mean(mean, WINDOW), color=line.get_color(), label=label)
-            drains |= {r.drain_step for r in members if r.drain_step is not None}
-        for step in sorted(drains):
+            faint_and_smoothed(ax, steps, mean, label)
+        drains = sorted({r.drain_step for r in fixed if r.delay == delay and r.group_size == g} - {None})
+        for step in drains:
             ax.axvline(step, color="black", linestyle="--", linewidth=0.9, label=f"queue drains ({step})")
-        ax.set(title=f"delay D = {delay}", xlabel="update")
+        ax.set(title=f"D = {delay}", xlabel="update")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("entropy (nats / token)")
-    return save(fig, out, "fig4_entropy")
+    return save(fig, out, stem)
 
 
 def group_size_delay(runs: list[Run]) -> int | None:
@@ -425,20 +462,24 @@ def group_size_delay(runs: list[Run]) -> int | None:
     return max(candidates, key=lambda d: len(by_delay[d])) if candidates else None
 
 
-def figure_reward_by_group_size(runs: list[Run], out: Path) -> list[Path]:
-    delay = group_size_delay(runs)
+def figure_reward_by_group_size(runs: list[Run], out: Path, stem: str = "fig5_reward_by_group_size") -> list[Path]:
+    """The paper's Figure 5 (App. B.2.2): training reward of GMC-GRPO and TIC-GRPO, one panel per group size G at
+    the delay where several G were run (the paper: G in {4, 8, 32} at D = 128); faint per update, solid smoothed."""
+    fixed = [r for r in runs if r.delay is not None and r.method in ("gmc", "tic") and r.eps_schedule == "constant"]
+    delay = group_size_delay(fixed)
     if delay is None:
         return []
-    sizes = sorted({r.group_size for r in runs if r.delay == delay})
-    fig, axes = panels(len(sizes), f"Training reward (centred mean of {WINDOW}) at delay D = {delay}")
+    sizes = sorted({r.group_size for r in fixed if r.delay == delay})
+    fig, axes = panels(len(sizes), f"Training reward at D = {delay} (faint: per update, solid: centred mean of "
+                                   f"{WINDOW})")  # fmt: skip
     for ax, g in zip(axes, sizes, strict=True):
-        for label, members in group(runs, delay=delay, group_size=g, eps_schedule="constant").items():
+        for label, members in group(fixed, FIXED_DELAY_ORDER, delay=delay, group_size=g).items():
             steps, mean, _ = seed_mean([r.series(REWARD_TAGS) for r in members])
-            ax.plot(steps, centred_rolling_mean(mean, WINDOW), label=f"{label} ({seeds(len(members))})")
+            faint_and_smoothed(ax, steps, mean, f"{label} ({seeds(len(members))})")
         ax.set(title=f"G = {g}", xlabel="update")
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("reward")
-    return save(fig, out, "fig5_reward_by_group_size")
+    axes[0].set_ylabel("training reward")
+    return save(fig, out, stem)
 
 
 def seeds(count: int) -> str:

@@ -40,6 +40,17 @@ from typing import Any
 import yaml
 
 EVAL_SUITE = "heldout"
+"""The name of a task's held-out evaluation, except where the task's held-out set is a named benchmark."""
+TASK_BENCHMARKS = {"Math": ("math500", "MATH-500")}
+"""Tasks whose ``test_prompts`` are a benchmark: the evaluation takes the benchmark's name and title, the ones the
+``Evaluation`` callback writes, so a sweep's runs and runs launched with ``lit_gmc fit`` feed the same tables."""
+
+
+def eval_suite_name(task_name: str) -> tuple[str, str]:
+    """``(name, title)`` of a sweep's evaluation of ``task_name``'s held-out prompts."""
+    return TASK_BENCHMARKS.get(task_name, (EVAL_SUITE, f"{task_name} (held-out)"))
+
+
 GRID_KEYS = ("model.correction", "data.schedule", "data.group_size", "data.seed", "trainer.max_steps",
              "checkpoint")  # fmt: skip
 """Config keys the grid sets itself (with ``seed_everything``, which ``--set`` cannot name); ``--set`` may not
@@ -326,7 +337,7 @@ def evaluate_run(
     task = build_component(task_spec, "lit_gmc.data.tasks.addition.Addition")
     ks = tuple(k for k in (1, 2, 4, 8, 16) if k <= samples)
     prompts = list(task.test_prompts())[:limit]
-    suite = Suite(EVAL_SUITE, f"{task_name} (held-out)", prompts, samples, ks)
+    suite = Suite(*eval_suite_name(task_name), prompts, samples, ks)
     # Step 0 is the same initial actor in every run of a sweep: evaluate it once, keyed by what decides it.
     initial_key = config_digest(
         {"actor": actor, "task": task_name, "tokens": max_new_tokens, "n": samples, "seed": seed, "limit": limit}

@@ -1,60 +1,58 @@
-"""The paper's Tables 1, 3, 4 and 5 and Figures 2/3 and 6, from runs' TensorBoard logs and evaluation JSONs.
+"""The paper's Tables 1, 3, 4 and 5 and Figures 2-6, from runs' TensorBoard logs and evaluation JSONs.
 
 Runs come from a sweep (``--sweep``: ``scripts/plots.py``'s :func:`load_sweep` reads the manifest of
-``scripts/sweep.py``, each run's TensorBoard scalars and its ``eval/step_<n>.json`` files; runs not marked done
-are left out and listed) and/or from runs launched directly with ``python -m lit_gmc fit``, one logger folder
-per run (``--runs runs/simulated_async/qwen3_4b_gmc ...``, or ``--runs-root runs/simulated_async`` for every
-folder under it with a ``version_<n>/config.yaml``; :func:`load_run_folders`). Such a run's parameters come from
-the ``config.yaml`` LightningCLI saved (method: the ``model.correction`` class, model ``model.actor``, seed
-``seed_everything``, G ``data.group_size``, GMC's ``cap_schedule``; D from a ``FixedDelay`` schedule, 0 for
-``Sync``, none for ``VirtualClock`` and ``Live``), and all its ``version_<n>`` folders (a resumption writes the
-next one) are merged into one run, a later version winning a step both logged. A run whose logs stop before
-``trainer.max_steps`` is left out and listed, unless ``--include-unfinished``.
+``scripts/sweep.py``, each run's ``config.json``, TensorBoard scalars and ``eval/step_<n>.json`` files; runs not
+marked done are left out and listed) and/or from runs launched directly with ``python -m lit_gmc fit``, one logger
+folder per run (``--runs runs/simulated_async/qwen3_4b_gmc ...``, or ``--runs-root runs/simulated_async`` for every
+folder under it with a ``version_<n>/config.yaml``; :func:`load_run_folders`). Both are read the same way
+(:func:`run_parameters` on the config each run trained with): method from ``model.correction``, model from
+``model.actor``, seed, G from ``data.group_size``, GMC's ``cap_schedule``, and the delay from the schedule:
+``FixedDelay``'s D, 0 for ``Sync`` (the paper's D = 0 protocol, App. B.1), none for ``VirtualClock`` and ``Live``.
+A run with a fixed delay belongs to the fixed-delay suite (Table 3, 4, Figures 2-5), one without to the simulated
+asynchronous suite (Tables 1 and 5, Figure 6); nothing is placed by a default. Resumed runs (``version_<n>``
+folders) merge into one; a run whose logs stop before ``trainer.max_steps`` is left out and listed, unless
+``--include-unfinished``. Runs are grouped by model (ordered by parameter count).
 
-A row is a method (its label, e.g. ``GMC + Cor. 1`` for the adaptive threshold; ``(D = d)``, or the schedule's
-name for a run without a fixed delay, is added when the runs have several settings); a cell is the mean ± std
-over the row's seeds (a bare mean for one seed), in percent. Runs are grouped by model (the manifest's ``actor``
-or ``model`` field, else ``--set model.actor``, else the run's config.json; a run folder's ``model.actor``; one
-group when none names it), ordered by parameter count.
+Layouts are the paper's (arXiv 2610.01896; captions of Tables 1, 3-5 and Figures 2-6, Sec. 5 and App. B.2), two
+decimals, with a trailing ``seeds`` column of ours; a cell is the mean ± std over the row's seeds (a bare mean for
+one seed), in percent, "–" where no run has it. Method names and order are the paper's: GRPO, GAC, VCPO, TIC-GRPO,
+GMC-GRPO in Table 1; GMC-GRPO, TIC-GRPO, GRPO in the fixed-delay results; A-3PO, GMC-GRPO in Table 5.
 
-Outputs in ``--out``:
+- **Table 1** (Sec. 5, simulated asynchronous delays): rows model x method; columns Method, Avg. Delay (mean over
+  updates of ``delay/mean``; else the last ``delay/running_mean``), "greedy / avg@n" per benchmark at the final
+  evaluated checkpoint (MATH500, GSM8K, Gaokao, Olympiad, Minerva, AMC23; others after, by name), Avg. perf.
+  (unweighted mean over the benchmarks, greedy and avg@n separately).
+- **Table 3** (App. B.2.1): Delay, Method, Greedy and unbiased pass@k for k in {1, 2, 4, 8, 16} on MATH-500 at the
+  final checkpoint, after ``Base (no RL)`` (the step-0 evaluation, identical ones counted once); the delay grid's
+  group size only (other sizes are Table 4's).
+- **Table 4** (App. B.2.2): at the delay where several group sizes were run (the paper: G in {4, 8, 32} at
+  D = 128, Qwen3-1.7B-Base), rows checkpoint x G, columns GMC-GRPO and TIC-GRPO ("greedy / sampled Pass@1", the
+  latter avg@16) and Δ = GMC-GRPO's sampled Pass@1 minus TIC-GRPO's (seed means), in percentage points.
+- **Table 5** (App. B.2.3): A-3PO against GMC-GRPO, laid out as Table 1, the better entry of each metric in bold
+  within each model.
 
-- ``paper_tables.md``:
+A run that collapsed is marked, not averaged: its training records hold a non-finite loss or reward, or its
+training reward stays at or below :data:`COLLAPSE_REWARD` (no correct response in a 64-response batch) over at
+least its last :data:`COLLAPSE_UPDATES` logged updates after having been above it (the paper's A-3PO on Qwen3-8B,
+Table 5 and Figure 6). A row all of whose runs collapsed reads "Training collapsed (update n)"; collapsed seeds of
+other rows are left out and counted in the label.
 
-  - **Table 1** (one per model group), for the simulated-asynchronous suite: "greedy / avg@n" at each run's
-    final evaluated checkpoint for each benchmark (the paper's order: MATH-500, GSM8K, Gaokao2023-En,
-    OlympiadBench, Minerva, AMC23; any other benchmark after them, by name), their macro average (unweighted
-    mean over the benchmarks) and the average delay: the mean over updates of the per-update ``delay/mean``
-    (when a run lacks it, the last ``delay/running_mean``, the same number when DelayAccounting is on).
-  - **Table 3** (one per model group), for the fixed-delay suite (runs with a fixed delay D; ``Sync`` is D = 0):
-    a row per delay and method at the most common G (other sizes are Table 4's), after ``Base (no RL)``, the
-    step-0 evaluation (identical evaluations of the same base model counted once); columns Greedy and unbiased
-    pass@k for k in {1, 2, 4, 8, 16} on MATH-500 at the final evaluated checkpoint.
-  - **Table 4** (one per model group), the group-size study: at the delay where several group sizes G were run
-    (the paper: G in {4, 8, 32} at D = 128), a row per method and G, a column per evaluated checkpoint (the
-    paper: 200/300/400/800) with MATH-500 "greedy / avg@n", and for G other than 8 the difference of the seed
-    means from G = 8 at that checkpoint, in points.
-  - **Table 5**: A-3PO against GMC, a row per model and method: "greedy / avg@n" per benchmark at the final
-    checkpoint, the macro average and the average delay (as Table 1).
+The benchmark of the fixed-delay results is MATH-500 (``math500``, as the ``Evaluation`` callback and a sweep on
+the ``Math`` task name it); when no run evaluated it, the one benchmark every such run evaluated (a sweep of the
+tiny ``Addition`` task: ``heldout``), named in the captions.
 
-- ``fig2_3_math500_pass_at_1`` (PNG + PDF; ``_<model>`` added when there are several models): MATH-500 pass@1
-  (avg@n) against checkpoint, one panel per delay D, one line per method (seed mean, band = one standard
-  deviation), the step-0 evaluation included: the paper's Figures 2 and 3.
-- ``fig6_a3po_reward`` (PNG + PDF): training reward per update (``train/reward``), centred rolling mean over
-  25 updates of the seed mean, one line per method, one panel per model group, A-3PO drawn thick in red so that
-  its collapse stands out; a second row shows token entropy (``diag/entropy/mean``) the same way when the runs
-  logged it.
+Figures (PNG + PDF; ``_<model>`` added when there are several models):
 
-A cell is the mean ± std over the row's seeds (a bare mean for one seed), in percent; "–" where no run has it.
+- ``fig2_pass_at_1``: sampled Pass@1 on MATH-500 against checkpoint, panels D = 0, 64 and 128 (those present).
+- ``fig3_pass_at_1``: the same at every delay run (the paper: 0, 32, 64, 128, 256, 512).
+- ``fig4_entropy``: current-policy token entropy per update, a panel per delay, faint per update, solid centred
+  rolling mean over 25 updates, dashed vertical lines at queue drain (from the records).
+- ``fig5_reward_by_group_size``: training reward of GMC-GRPO and TIC-GRPO per group size at the group-size delay.
+- ``fig6_a3po_reward``: training reward of A-3PO and GMC-GRPO under simulated asynchronous delays, a panel per
+  model, faint per update and smoothed.
 
-Interpretation: the paper's text is not on this machine. The layouts follow the descriptions in DESIGN.md and
-issue 27 (Table 3: rows Delay x Method plus "Base (no RL)", columns Greedy and pass@1..16 on MATH-500; Table 4:
-G in {4, 8, 32} at D = 128, greedy and avg@16 at 200/300/400/800 with deltas; Table 5: per-benchmark cells plus
-the average delay; Figures 2/3: MATH-500 pass@1 against checkpoint, per delay). Three details are guesses, and
-the captions say so: Table 4's deltas are taken against G = 8, Table 5 keeps only A-3PO and GMC, and Figures 2
-and 3 are drawn as one figure with a panel per delay (which delays the paper puts in which figure is not known
-here). ``--doc FILE`` replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE
-(``NAME`` from ``--block``, default ``paper_tables``). Example::
+``--doc FILE`` replaces the block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in FILE (``NAME`` from
+``--block``, default ``paper_tables``). Example::
 
     python scripts/tables.py --sweep runs/study --out docs/figures/study
     python scripts/tables.py --runs-root runs/simulated_async --out docs/figures/qwen3
@@ -65,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -75,18 +74,17 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")  # files only; set before pyplot is imported, whichever module imports it first
-import matplotlib.pyplot as plt  # noqa: E402
 from plots import (  # noqa: E402
-    ENTROPY_TAGS,
+    FIXED_DELAY_ORDER,
     REWARD_TAGS,
-    WINDOW,
+    SIMULATED_ORDER,
     Run,
     add_run_sources,
     cell,
     eval_summary,
+    faint_and_smoothed,
+    figure_entropy,
+    figure_reward_by_group_size,
     group,
     group_size_delay,
     load_sources,
@@ -99,14 +97,18 @@ from plots import (  # noqa: E402
     write_outputs,
 )
 
-from lit_gmc.callbacks.diagnostics import centred_rolling_mean  # noqa: E402
 from lit_gmc.callbacks.evaluation import PAPER_BENCHMARKS  # noqa: E402
 from lit_gmc.callbacks.metrics import PAPER_KS  # noqa: E402
 
-HIGHLIGHT = "a3po"
-"""The method Figure 6 is about, drawn in red; the others take the remaining tab10 colours, so none is red."""
-PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive",
-           "tab:cyan")  # fmt: skip
+DIGITS = 2
+"""Decimals of the paper's tables."""
+COLLAPSE_REWARD = 0.01
+"""A training reward at or below this counts as zero: one correct response in the paper's 64 already gives 1/64."""
+COLLAPSE_UPDATES = 25
+"""Logged updates the reward must stay at zero, to the end of the run, for the run to count as collapsed."""
+TABLE5_ORDER = ("a3po", "gmc")
+FIGURE2_DELAYS = (0, 64, 128)
+"""The delays of the paper's Figure 2 (Sec. 5); Figure 3 has every delay."""
 
 
 def final_benchmarks(run: Run) -> dict[str, dict]:
@@ -120,10 +122,18 @@ def benchmark_columns(runs: list[Run]) -> list[str]:
     return [b for b in PAPER_BENCHMARKS if b in names] + sorted(names - set(PAPER_BENCHMARKS))
 
 
-def column_titles(runs: list[Run], columns: list[str]) -> list[str]:
-    """``"MATH-500 (n = 16)"``: each benchmark's display title and samples per problem, from the eval files."""
-    entries = {name: entry for run in runs for name, entry in final_benchmarks(run).items()}
-    return [f"{entries[c].get('title', c)} (n = {entries[c]['n']})" for c in columns]
+def benchmark_entries(runs: list[Run]) -> dict[str, dict]:
+    """One final-checkpoint entry per benchmark (for its title and samples per problem)."""
+    return {name: entry for run in runs for name, entry in final_benchmarks(run).items()}
+
+
+def samples_note(runs: list[Run], columns: list[str]) -> str:
+    """``"n = 16 for MATH-500, n = 8 for GSM8K"``: samples per problem of each benchmark, as the captions say."""
+    entries = benchmark_entries(runs)
+    by_n: dict[int, list[str]] = {}
+    for name in columns:
+        by_n.setdefault(entries[name]["n"], []).append(entries[name].get("title", name))
+    return "; ".join(f"n = {n} for {', '.join(titles)}" for n, titles in sorted(by_n.items(), reverse=True))
 
 
 def average_delay(run: Run) -> float | None:
@@ -151,39 +161,100 @@ def model_groups(runs: list[Run]) -> dict[str, list[Run]]:
     return {m: [r for r in runs if r.model == m] for m in sorted({r.model for r in runs}, key=model_sort_key)}
 
 
-def setting_key(run: Run) -> tuple[int, int, str]:
-    """A run's delay setting, for sorting: fixed delays by D, then runs without one by schedule name."""
-    return (0, run.delay, "") if run.delay is not None else (1, 0, run.schedule)
+def collapse_step(run: Run) -> int | None:
+    """The update at which a run collapsed (module docstring), or None when it did not.
+
+    The first non-finite ``train/loss`` or training reward; else the first update of the final stretch of at least
+    :data:`COLLAPSE_UPDATES` logged rewards at or below :data:`COLLAPSE_REWARD`, when an earlier reward was above.
+    """
+    rewards = run.series(REWARD_TAGS)
+    for _, points in (("loss", run.scalars.get("train/loss", [])), ("reward", rewards)):
+        bad = [step for step, value in points if not math.isfinite(value)]
+        if bad:
+            return bad[0]
+    start = len(rewards)
+    while start > 0 and rewards[start - 1][1] <= COLLAPSE_REWARD:
+        start -= 1
+    if len(rewards) - start >= COLLAPSE_UPDATES and start > 0:
+        return rewards[start][0]
+    return None
 
 
-def setting_name(run: Run) -> str:
-    """``"D = 32"``, or the schedule of a run without a fixed delay (``"VirtualClock"``)."""
-    return f"D = {run.delay}" if run.delay is not None else (run.schedule or "no fixed delay")
+def simulated_runs(runs: list[Run]) -> list[Run]:
+    """Runs whose schedule sets no fixed delay (``VirtualClock``, ``Live``): the simulated asynchronous suite."""
+    return [r for r in runs if r.delay is None]
 
 
-def method_rows(runs: list[Run]) -> dict[str, list[Run]]:
-    """Runs by method label; split by delay setting too when the runs have several (never average over them)."""
-    settings = sorted({setting_key(r) for r in runs})
-    if len(settings) == 1:
-        return group(runs)
-    rows = {}
-    for label, members in group(runs).items():
-        for key in settings:
-            at = [r for r in members if setting_key(r) == key]
-            if at:
-                rows[f"{label} ({setting_name(at[0])})"] = at
-    return rows
+def fixed_delay_runs(runs: list[Run]) -> list[Run]:
+    """Runs with a fixed delay D (``FixedDelay``, and ``Sync`` as D = 0): the fixed-delay suite."""
+    return [r for r in runs if r.delay is not None]
 
 
-def pair(greedy: list[float], avg: list[float]) -> str:
-    """``"greedy / avg@n"`` cell, each mean ± std over seeds, in percent."""
-    return f"{cell(greedy)} / {cell(avg)}" if greedy else "–"
+def fmt(values: list[float], bold: bool = False) -> str:
+    """A cell of the paper's tables: mean ± std over seeds in percent, two decimals; bold when marked best."""
+    text = cell(values, digits=DIGITS)
+    return f"**{text}**" if bold and values else text
 
 
-def macro_pair(members: list[Run]) -> str:
-    """Macro-average ``"greedy / avg@n"`` over the benchmarks of each run's final checkpoint."""
+def metric_values(members: list[Run], columns: list[str]) -> list[tuple[list[float], list[float]]]:
+    """Per benchmark, then the macro average: the greedy and avg@n values of the runs' final checkpoints."""
+    out = []
+    for name in columns:
+        entries = [final_benchmarks(r)[name] for r in members if name in final_benchmarks(r)]
+        out.append(([e["greedy"] for e in entries], [e["avg@n"] for e in entries]))
     finals = [eval_summary(r.evals[max(r.evals)]) for r in members if r.evals]
-    return pair([f["greedy"] for f in finals], [f["avg@n"] for f in finals])
+    return [*out, ([f["greedy"] for f in finals], [f["avg@n"] for f in finals])]
+
+
+def best_marks(values: dict[str, list[tuple[list[float], list[float]]]]) -> dict[str, list[tuple[bool, bool]]]:
+    """Which rows hold the highest seed mean of each metric (greedy and avg@n apart); none with fewer than 2 rows."""
+    labels = list(values)
+    marks = {label: [] for label in labels}
+    for col in range(len(next(iter(values.values()), []))):
+        flags = []
+        for part in (0, 1):
+            means = {lb: statistics.fmean(values[lb][col][part]) for lb in labels if values[lb][col][part]}
+            top = max(means.values()) if len(means) > 1 else None
+            flags.append({lb: top is not None and means.get(lb) == top for lb in labels})
+        for label in labels:
+            marks[label].append((flags[0][label], flags[1][label]))
+    return marks
+
+
+def kept_and_collapsed(members: list[Run]) -> tuple[list[Run], list[int]]:
+    """The runs that did not collapse, and the collapse updates of those that did."""
+    steps = [collapse_step(r) for r in members]
+    return [r for r, s in zip(members, steps, strict=True) if s is None], [s for s in steps if s is not None]
+
+
+def collapsed_label(label: str, total: int, collapsed: list[int]) -> str:
+    """The row label, with the seeds left out for collapsing counted."""
+    if not collapsed:
+        return label
+    return f"{label} ({len(collapsed)} of {total} seeds collapsed, left out)"
+
+
+def benchmark_rows(runs: list[Run], method_order: tuple[str, ...], columns: list[str], bold: bool) -> list[list[str]]:
+    """Table 1/5 rows: a model heading, then Method, Avg. Delay, per-benchmark cells, Avg. perf. and seeds."""
+    rows = []
+    for model, at_model in model_groups(runs).items():
+        rows.append([f"*{model_name(model)}*"] + [""] * (len(columns) + 3))
+        kept = {label: (members, *kept_and_collapsed(members)) for label, members in
+                group(at_model, method_order).items()}  # fmt: skip
+        values = {label: metric_values(k, columns) for label, (_, k, _) in kept.items() if k}
+        marks = best_marks(values) if bold else {}
+        for label, (members, alive, collapsed) in kept.items():
+            if not alive:
+                text = f"Training collapsed (update {', '.join(map(str, sorted(set(collapsed))))})"
+                rows.append([label, "–", text, *[""] * len(columns), str(len(members))])
+                continue
+            flags = marks.get(label, [(False, False)] * (len(columns) + 1))
+            cells = [f"{fmt(g, fg)} / {fmt(a, fa)}" if g else "–"
+                     for (g, a), (fg, fa) in zip(values[label], flags, strict=True)]  # fmt: skip
+            delays = [d for d in map(average_delay, alive) if d is not None]
+            rows.append([collapsed_label(label, len(members), collapsed), cell(delays, scale=1.0, digits=DIGITS),
+                         *cells, str(len(alive))])  # fmt: skip
+    return rows
 
 
 def final_steps(runs: list[Run]) -> str:
@@ -191,202 +262,182 @@ def final_steps(runs: list[Run]) -> str:
     return ", ".join(str(s) for s in sorted({max(r.evals) for r in runs if r.evals})) or "none"
 
 
-def benchmark_row(label: str, members: list[Run], columns: list[str]) -> list[str]:
-    """Label, seeds, "greedy / avg@n" per benchmark, macro average and average delay of one row's runs."""
-    row = [label, str(len(members))]
-    for name in columns:
-        entries = [final_benchmarks(r)[name] for r in members if name in final_benchmarks(r)]
-        row.append(pair([e["greedy"] for e in entries], [e["avg@n"] for e in entries]))
-    delays = [d for d in map(average_delay, members) if d is not None]
-    return row + [macro_pair(members), cell(delays, scale=1.0)]
-
-
-def table1(runs: list[Run], suffix: str) -> str:
-    """Per-benchmark accuracy, macro average and average delay of one model group (module docstring)."""
+def benchmark_table(runs: list[Run], title: str, method_order: tuple[str, ...], bold: bool) -> str:
+    """Table 1 or 5: the caption, then the rows of :func:`benchmark_rows`."""
     columns = benchmark_columns(runs)
-    header = ["method", "seeds", *column_titles(runs, columns), "macro average", "avg. delay"]
-    rows = [benchmark_row(label, members, columns) for label, members in method_rows(runs).items()]
-    caption = (f"**Table 1{suffix}.** Accuracy at the final evaluated checkpoint (update {final_steps(runs)}), "
-               "greedy / avg@n (%), mean ± std over seeds; macro average over the benchmarks; average delay "
-               "(mean of `delay/mean` over updates).\n")  # fmt: skip
-    return caption + "\n" + markdown_table(header, rows)
+    titles = [benchmark_entries(runs)[c].get("title", c) for c in columns]
+    header = ["Method", "Avg. Delay", *titles, "Avg. perf.", "seeds"]
+    caption = (f"{title} Each benchmark cell is greedy / avg@n (%) at the final evaluated checkpoint (update "
+               f"{final_steps(runs)}), with {samples_note(runs, columns) or 'no benchmark'}; Avg. perf. is the "
+               "average over the benchmarks, mean greedy / mean avg@n; Avg. Delay is the mean delay over updates. "
+               "Mean ± std over seeds.")  # fmt: skip
+    caption += " The better result of each metric is bold within each model." if bold else ""
+    return caption + "\n\n" + markdown_table(header, benchmark_rows(runs, method_order, columns, bold))
+
+
+def table1(runs: list[Run]) -> str | None:
+    """Table 1 (Sec. 5): the simulated asynchronous suite, every method but A-3PO (Table 5's)."""
+    suite = [r for r in simulated_runs(runs) if r.method != "a3po"]
+    if not suite:
+        return None
+    return benchmark_table(suite, "**Table 1.** Performance under simulated asynchronous delays.", SIMULATED_ORDER,
+                           bold=False)  # fmt: skip
+
+
+def table5(runs: list[Run]) -> str | None:
+    """Table 5 (App. B.2.3): A-3PO against GMC-GRPO under simulated asynchronous delays, the better one in bold."""
+    compared = [r for r in simulated_runs(runs) if r.method in TABLE5_ORDER]
+    if not any(r.method == "a3po" for r in compared):
+        return None
+    return benchmark_table(compared, "**Table 5.** A-3PO and GMC-GRPO under simulated asynchronous delays.",
+                           TABLE5_ORDER, bold=True)  # fmt: skip
 
 
 MATH500 = "math500"
 """The benchmark of the fixed-delay suite (Table 3, Figures 2/3) and of the group-size study (Table 4)."""
-REFERENCE_G = 8
-"""Table 4's deltas are taken against this group size (the paper's default G)."""
 
 
-def fixed_delay_runs(runs: list[Run]) -> list[Run]:
-    """Runs with a fixed delay D (``FixedDelay``, and ``Sync`` as D = 0); a sweep's runs always have one."""
-    return [r for r in runs if r.delay is not None]
+def suite_benchmark(runs: list[Run]) -> str | None:
+    """MATH-500 when a run evaluated it; else the one benchmark every evaluated run has (module docstring)."""
+    names = [set(e["benchmarks"]) for r in runs for e in r.evals.values()]
+    if any(MATH500 in n for n in names):
+        return MATH500
+    common = set.intersection(*names) if names else set()
+    return min(common) if len(common) == 1 else None
 
 
-def math500_at(run: Run, step: int) -> dict | None:
-    """The run's MATH-500 entry at ``step`` (None when that step or benchmark was not evaluated)."""
-    return run.evals.get(step, {}).get("benchmarks", {}).get(MATH500)
+def entry_at(run: Run, step: int, bench: str) -> dict | None:
+    """The run's ``bench`` entry at ``step`` (None when that step or benchmark was not evaluated)."""
+    return run.evals.get(step, {}).get("benchmarks", {}).get(bench)
 
 
-def math500_final(run: Run) -> dict | None:
-    """The MATH-500 entry of the run's last evaluated checkpoint."""
-    return math500_at(run, max(run.evals)) if run.evals else None
+def final_entry(run: Run, bench: str) -> dict | None:
+    """The ``bench`` entry of the run's last evaluated checkpoint."""
+    return entry_at(run, max(run.evals), bench) if run.evals else None
 
 
-def base_entries(runs: list[Run]) -> list[dict]:
-    """MATH-500 entries of the step-0 evaluations: the base model before any update.
+def bench_title(runs: list[Run], bench: str) -> str:
+    """The display title of ``bench`` in the runs' evaluations (``MATH-500``)."""
+    titles = [e["benchmarks"][bench].get("title") for r in runs for e in r.evals.values() if bench in e["benchmarks"]]
+    return next((t for t in titles if t), bench)
+
+
+def base_entries(runs: list[Run], bench: str) -> list[dict]:
+    """``bench`` entries of the step-0 evaluations: the base model before any update.
 
     Every run of a suite starts from the same weights and evaluates with the same seed, so their step-0 entries
     are equal; identical ones count once (a spread would otherwise claim seeds that are not there).
     """
     unique = {}
-    for entry in filter(None, (math500_at(r, 0) for r in runs)):
+    for entry in filter(None, (entry_at(r, 0, bench) for r in runs)):
         unique.setdefault(json.dumps(entry, sort_keys=True), entry)
     return list(unique.values())
 
 
-def math500_cells(entries: list[dict], ks: list[int]) -> list[str]:
-    """Greedy and pass@k cells of MATH-500 entries (one per seed)."""
-    cells = [cell([e["greedy"] for e in entries])]
+def pass_cells(entries: list[dict], ks: list[int]) -> list[str]:
+    """Greedy and pass@k cells of benchmark entries (one per seed)."""
+    cells = [fmt([e["greedy"] for e in entries])]
     for k in ks:  # every seed must have the k, or the mean would mix seeds
         values = [e[f"pass@{k}"] for e in entries if f"pass@{k}" in e]
-        cells.append(cell(values) if len(values) == len(entries) else "–")
+        cells.append(fmt(values) if len(values) == len(entries) else "–")
     return cells
 
 
 def table3(runs: list[Run], suffix: str) -> str | None:
-    """Greedy and pass@k on MATH-500 by delay and method, plus the base model (module docstring)."""
-    evaluated = [r for r in fixed_delay_runs(runs) if math500_final(r)]
+    """Table 3 (App. B.2.1): greedy and pass@k by delay and method, after the base model (module docstring)."""
+    bench = suite_benchmark(fixed_delay_runs(runs))
+    evaluated = [r for r in fixed_delay_runs(runs) if bench and final_entry(r, bench)]
     if not evaluated:
         return None
     fixed = [r for r in evaluated if r.group_size == main_group_size(evaluated)]  # other G: Table 4
-    logged = {key for r in fixed for key in math500_final(r) if key.startswith("pass@")}
+    logged = {key for r in fixed for key in final_entry(r, bench) if key.startswith("pass@")}
     ks = [k for k in PAPER_KS if f"pass@{k}" in logged]
-    header = ["D", "method", "seeds", "Greedy", *(f"pass@{k}" for k in ks)]
-    base = base_entries(evaluated)
-    rows = [["–", "Base (no RL)", "–", *math500_cells(base, ks)]] if base else []
+    header = ["Delay", "Method", "Greedy", *(f"pass@{k}" for k in ks), "seeds"]
+    base = base_entries(evaluated, bench)
+    rows = [["–", "Base (no RL)", *pass_cells(base, ks), "–"]] if base else []
     for d in sorted({r.delay for r in fixed}):
-        for label, members in group(fixed, delay=d).items():
-            rows.append([str(d), label, str(len(members)), *math500_cells([math500_final(r) for r in members], ks)])
-    caption = (f"**Table 3{suffix}.** MATH-500: greedy accuracy and unbiased pass@k (%) at the final evaluated "
-               f"checkpoint (update {final_steps(fixed)}), by delay D (D = 0: synchronous, 4 inner steps) and "
-               "method, mean ± std over seeds; Base (no RL): the step-0 evaluation.\n")  # fmt: skip
-    return caption + "\n" + markdown_table(header, rows)
+        for label, members in group(fixed, FIXED_DELAY_ORDER, delay=d).items():
+            alive, collapsed = kept_and_collapsed(members)
+            cells = pass_cells([final_entry(r, bench) for r in alive], ks) if alive else ["Training collapsed"]
+            cells += [""] * (len(ks) + 1 - len(cells))
+            rows.append([str(d), collapsed_label(label, len(members), collapsed), *cells, str(len(alive))])
+    samples = sorted({final_entry(r, bench)["n"] for r in fixed})
+    caption = (f"**Table 3{suffix}.** Performance on {bench_title(fixed, bench)} under different fixed "
+               f"behavior-policy delays (G = {fixed[0].group_size}, checkpoint {final_steps(fixed)}). Greedy: "
+               f"temperature 0; pass@k: the unbiased estimator from n = {', '.join(map(str, samples))} samples per "
+               "question; D = 0 is synchronous with 4 inner steps; Base (no RL): the step-0 evaluation. Mean ± std "
+               "over seeds, %.")  # fmt: skip
+    return caption + "\n\n" + markdown_table(header, rows)
 
 
-def entries_at(runs: list[Run], step: int) -> list[dict]:
-    """MATH-500 entries of the runs evaluated at ``step`` (one per run)."""
-    return [e for e in (math500_at(r, step) for r in runs) if e]
+def seed_means(runs: list[Run], step: int, bench: str) -> tuple[list[float], list[float]]:
+    """Greedy and avg@n values at ``step`` of the runs evaluated there (one per run)."""
+    entries = [e for e in (entry_at(r, step, bench) for r in runs) if e]
+    return [e["greedy"] for e in entries], [e["avg@n"] for e in entries]
 
 
-def seed_pair(entries: list[dict]) -> tuple[float, float] | None:
-    """Seed means of greedy and avg@n, for deltas."""
-    if not entries:
-        return None
-    return statistics.fmean(e["greedy"] for e in entries), statistics.fmean(e["avg@n"] for e in entries)
+def pass_delta(gmc: list[float], tic: list[float]) -> str:
+    """Δ Pass@1: GMC-GRPO's sampled Pass@1 minus TIC-GRPO's (seed means), in percentage points, signed."""
+    if not gmc or not tic:
+        return "–"
+    return f"{100 * (statistics.fmean(gmc) - statistics.fmean(tic)):+.{DIGITS}f}"
 
 
 def table4(runs: list[Run], suffix: str) -> str | None:
-    """MATH-500 greedy / avg@n per checkpoint by method and group size, with deltas from G = 8 (module docstring)."""
-    fixed = fixed_delay_runs(runs)
-    delay = group_size_delay(fixed)
-    if delay is None:
+    """Table 4 (App. B.2.2): rows checkpoint x G; GMC-GRPO, TIC-GRPO and their Δ sampled Pass@1 (module docstring)."""
+    fixed = [r for r in fixed_delay_runs(runs) if r.method in ("gmc", "tic") and r.eps_schedule == "constant"]
+    delay, bench = group_size_delay(fixed), suite_benchmark(fixed)
+    if delay is None or bench is None:
         return None
-    at = [r for r in fixed if r.delay == delay and r.eps_schedule == "constant"]
+    at = [r for r in fixed if r.delay == delay and collapse_step(r) is None]
     sizes = sorted({r.group_size for r in at})
-    steps = sorted({s for r in at for s in r.evals if s > 0 and math500_at(r, s)})
-    n = {math500_at(r, s)["n"] for r in at for s in steps}
-    avg_n = f"avg@{n.pop()}" if len(n) == 1 else "avg@n"
-    header = ["method", "G", "seeds", *(f"update {s}" for s in steps)]
+    steps = sorted({s for r in at for s in r.evals if s > 0 and entry_at(r, s, bench)})
+    n = sorted({entry_at(r, s, bench)["n"] for r in at for s in steps if entry_at(r, s, bench)})
+    header = ["Checkpoint", "G", "GMC-GRPO", "TIC-GRPO", "Δ Pass@1 (pp)", "seeds"]
     rows = []
-    for label, members in group(at).items():
+    for step in steps:
         for g in sizes:
-            mine = [r for r in members if r.group_size == g]
-            if not mine:
-                continue
-            row = [label, str(g), str(len(mine))]
-            for step in steps:
-                entries = entries_at(mine, step)
-                text = pair([e["greedy"] for e in entries], [e["avg@n"] for e in entries])
-                ours = seed_pair(entries)
-                ref = seed_pair(entries_at([r for r in members if r.group_size == REFERENCE_G], step))
-                if g != REFERENCE_G and ours and ref:
-                    text += f" (Δ {100 * (ours[0] - ref[0]):+.1f} / {100 * (ours[1] - ref[1]):+.1f})"
-                row.append(text)
-            rows.append(row)
-    caption = (f"**Table 4{suffix}.** Group size G at delay D = {delay}: MATH-500 greedy / {avg_n} (%) at each "
-               f"checkpoint, mean ± std over seeds; Δ: difference of the seed means from G = {REFERENCE_G}, in "
-               "points (the paper's deltas are read as against G = 8; its text is not on this machine).\n")  # fmt: skip
-    return caption + "\n" + markdown_table(header, rows)
-
-
-def table5(runs: list[Run]) -> str | None:
-    """A-3PO and GMC per model: per-benchmark cells, macro average and average delay (module docstring)."""
-    compared = [r for r in runs if r.method in ("a3po", "gmc")]
-    if not any(r.method == "a3po" for r in compared):
-        return None
-    columns = benchmark_columns(compared)
-    header = ["model", "method", "seeds", *column_titles(compared, columns), "macro average", "avg. delay"]
-    rows = []
-    for model, members in model_groups(compared).items():
-        for label, at in method_rows(members).items():
-            rows.append([model_name(model), *benchmark_row(label, at, columns)])
-    caption = ("**Table 5.** A-3PO against GMC by model: greedy / avg@n (%) per benchmark at the final evaluated "
-               f"checkpoint (update {final_steps(compared)}), macro average and average delay, mean ± std over "
-               "seeds (the other methods are in Table 1).\n")  # fmt: skip
-    return caption + "\n" + markdown_table(header, rows)
+            gmc = seed_means([r for r in at if r.method == "gmc" and r.group_size == g], step, bench)
+            tic = seed_means([r for r in at if r.method == "tic" and r.group_size == g], step, bench)
+            cells = [f"{fmt(v[0])} / {fmt(v[1])}" if v[0] else "–" for v in (gmc, tic)]
+            rows.append([str(step), str(g), *cells, pass_delta(gmc[1], tic[1]), f"{len(gmc[0])} / {len(tic[0])}"])
+    caption = (f"**Table 4{suffix}.** {bench_title(at, bench)} evaluation at checkpoints {', '.join(map(str, steps))} "
+               f"under the fixed-delay setting with delay {delay}, by group size G. Each method entry reports "
+               f"greedy accuracy / sampled Pass@1 (%), the latter avg@{', '.join(map(str, n))} (mean correctness over "
+               "the samples per problem); Δ: GMC-GRPO's sampled Pass@1 minus TIC-GRPO's, in percentage points. Mean "
+               "± std over seeds (seeds: GMC-GRPO / TIC-GRPO).")  # fmt: skip
+    return caption + "\n\n" + markdown_table(header, rows)
 
 
 def tables(runs: list[Run], missing: list[str]) -> str:
     """Tables 1, 3, 4 and 5 in Markdown (those the runs have data for)."""
-    groups = model_groups(runs)
-    parts = []
-    for model, members in groups.items():
-        suffix = f" ({model_name(model)})" if len(groups) > 1 else ""
-        parts += [table1(members, suffix), table3(members, suffix), table4(members, suffix)]
+    parts = [table1(runs)]
+    fixed_groups = model_groups(fixed_delay_runs(runs))
+    for model, members in fixed_groups.items():
+        suffix = f" ({model_name(model)})" if len(fixed_groups) > 1 else ""
+        parts += [table3(members, suffix), table4(members, suffix)]
     parts.append(table5(runs))
     if missing:
         parts.append(f"Not finished (left out): {', '.join(missing)}.")
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def method_colours(runs: list[Run]) -> dict[str, str]:
-    """``label -> colour``, the same in every panel: A-3PO red, the others from :data:`PALETTE` in row order."""
-    rows = method_rows(runs)
-    others = [label for label, members in rows.items() if members[0].method != HIGHLIGHT]
-    colours = {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(others)}
-    return {label: colours.get(label, "tab:red") for label in rows}
-
-
-def plot_curves(ax, runs: list[Run], tags: tuple[str, ...], colours: dict[str, str]) -> None:
-    """One centred-rolling-mean line per method (seed mean first); the highlighted method thick, on top."""
-    for label, members in method_rows(runs).items():
-        steps, mean, _ = seed_mean([r.series(tags) for r in members])
-        if not steps:
-            continue
-        highlight = members[0].method == HIGHLIGHT
-        ax.plot(steps, centred_rolling_mean(mean, WINDOW), label=label, color=colours[label],
-                linewidth=2.6 if highlight else 1.1, zorder=3 if highlight else 2)  # fmt: skip
-
-
 def figure_a3po(runs: list[Run], out: Path) -> list[Path]:
-    """Figure 6: reward (and entropy when logged) per update, one column per model group."""
-    if not any(r.series(REWARD_TAGS) for r in runs):
+    """Figure 6 (App. B.2.3): training reward of A-3PO (red) and GMC-GRPO under simulated asynchronous delays,
+    one panel per model that ran A-3PO; faint per update (seed mean), solid the centred rolling mean."""
+    compared = [r for r in simulated_runs(runs) if r.method in TABLE5_ORDER and r.series(REWARD_TAGS)]
+    groups = {m: members for m, members in model_groups(compared).items() if any(r.method == "a3po" for r in members)}
+    if not groups:
         return []
-    groups, colours = model_groups(runs), method_colours(runs)
-    quantities = [(REWARD_TAGS, "training reward")]
-    if any(r.series(ENTROPY_TAGS) for r in runs):
-        quantities.append((ENTROPY_TAGS, "entropy (nats / token)"))
-    fig, axes = plt.subplots(len(quantities), len(groups), figsize=(4.6 * len(groups), 3.3 * len(quantities)),
-                             squeeze=False, sharex="col", sharey="row")  # fmt: skip
-    fig.suptitle(f"A-3PO vs the other methods: centred mean of {WINDOW} updates")
-    for col, (model, members) in enumerate(groups.items()):
-        axes[0][col].set_title(model_name(model))
-        for row, (tags, ylabel) in enumerate(quantities):
-            plot_curves(axes[row][col], members, tags, colours)
-            axes[row][0].set_ylabel(ylabel)
-        axes[-1][col].set_xlabel("update")
-        axes[0][col].legend(fontsize=7)
+    fig, axes = panels(len(groups), "Training reward under simulated asynchronous delays")
+    for ax, (model, members) in zip(axes, groups.items(), strict=True):
+        for label, at in group(members, TABLE5_ORDER).items():
+            steps, mean, _ = seed_mean([r.series(REWARD_TAGS) for r in at])
+            colour = "tab:red" if at[0].method == "a3po" else "tab:blue"
+            faint_and_smoothed(ax, steps, mean, f"{label} ({seeds(len(at))})", color=colour)
+        ax.set(title=model_name(model), xlabel="update")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("training reward")
     return save(fig, out, "fig6_a3po_reward")
 
 
@@ -395,46 +446,58 @@ def pass_at_1(entry: dict) -> float:
     return entry.get("pass@1", entry["avg@n"])
 
 
-def math500_curve(runs: list[Run]) -> tuple[list[int], list[float], list[float]]:
-    """MATH-500 pass@1 against checkpoint: seed mean and std at the steps every run evaluated."""
-    return seed_mean([[(s, pass_at_1(math500_at(r, s))) for s in sorted(r.evals) if math500_at(r, s)] for r in runs])
+def pass_curve(runs: list[Run], bench: str) -> tuple[list[int], list[float], list[float]]:
+    """Sampled Pass@1 against checkpoint: seed mean and std at the steps every run evaluated."""
+    return seed_mean([[(s, pass_at_1(entry_at(r, s, bench))) for s in sorted(r.evals) if entry_at(r, s, bench)]
+                      for r in runs])  # fmt: skip
 
 
-def figure_math500(runs: list[Run], out: Path) -> list[Path]:
-    """Figures 2/3: MATH-500 pass@1 against checkpoint, a panel per delay, per model group (module docstring)."""
-    evaluated = [r for r in fixed_delay_runs(runs) if any(math500_at(r, s) for s in r.evals)]
+def figure_pass_at_1(runs: list[Run], out: Path, stem: str, delays: tuple[int, ...] | None = None) -> list[Path]:
+    """Figures 2 and 3: sampled Pass@1 against checkpoint, a panel per delay (``delays``: those of them run; None:
+    every delay), a line per method in the paper's order (band: one std over seeds), per model group."""
+    bench = suite_benchmark(fixed_delay_runs(runs))
+    evaluated = [r for r in fixed_delay_runs(runs) if bench and any(entry_at(r, s, bench) for s in r.evals)]
     fixed = [r for r in evaluated if r.group_size == main_group_size(evaluated)] if evaluated else []
     groups, written = model_groups(fixed), []
     for model, members in groups.items():
-        delays = sorted({r.delay for r in members})
-        fig, axes = panels(len(delays), f"MATH-500 pass@1 vs checkpoint ({model_name(model)})")
-        for ax, delay in zip(axes, delays, strict=True):
-            for label, at in group(members, delay=delay).items():
-                steps, mean, std = math500_curve(at)
+        shown = sorted({r.delay for r in members} & set(delays if delays is not None else {r.delay for r in members}))
+        if not shown:
+            continue
+        title = f"Sampled Pass@1 on {bench_title(members, bench)} under fixed delays ({model_name(model)})"
+        fig, axes = panels(len(shown), title)
+        for ax, delay in zip(axes, shown, strict=True):
+            for label, at in group(members, FIXED_DELAY_ORDER, delay=delay).items():
+                steps, mean, std = pass_curve(at, bench)
                 line = ax.plot(steps, [100 * m for m in mean], marker="o", label=f"{label} ({seeds(len(at))})")[0]
                 ax.fill_between(steps, [100 * (m - e) for m, e in zip(mean, std, strict=True)],
                                 [100 * (m + e) for m, e in zip(mean, std, strict=True)], color=line.get_color(),
                                 alpha=0.15)  # fmt: skip
-            ax.set(title=f"D = {delay}", xlabel="update (checkpoint)")
+            ax.set(title=f"D = {delay}", xlabel="checkpoint (update)")
             ax.legend(fontsize=7)
-        axes[0].set_ylabel("MATH-500 pass@1 (%)")
-        stem = "fig2_3_math500_pass_at_1" + (f"_{model_name(model)}" if len(groups) > 1 else "")
-        written += save(fig, out, stem)
+        axes[0].set_ylabel("sampled Pass@1 (%)")
+        written += save(fig, out, stem + (f"_{model_name(model)}" if len(groups) > 1 else ""))
     return written
 
 
+def figures(runs: list[Run], out: Path) -> list[Path]:
+    """Figures 2-6 (those the runs have data for)."""
+    written = figure_pass_at_1(runs, out, "fig2_pass_at_1", FIGURE2_DELAYS)
+    written += figure_pass_at_1(runs, out, "fig3_pass_at_1")
+    written += figure_entropy(runs, out) + figure_reward_by_group_size(runs, out)
+    return written + figure_a3po(runs, out)
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
-    """Write ``paper_tables.md``, Figures 2/3 and 6 for a sweep and/or run folders; returns the paths written."""
+    """Write ``paper_tables.md`` and Figures 2-6 for a sweep and/or run folders; returns the paths written."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_sources(parser)
-    parser.add_argument("--out", required=True, help="folder for the figure and paper_tables.md")
+    parser.add_argument("--out", required=True, help="folder for the figures and paper_tables.md")
     parser.add_argument("--doc", default=None, help="Markdown file whose block is replaced by the tables")
     parser.add_argument("--block", default="paper_tables", help="name of that block's markers")
     args = parser.parse_args(argv)
     runs, missing = load_sources(parser, args)
     out = Path(args.out)
-    written = figure_math500(runs, out) + figure_a3po(runs, out)
-    return write_outputs(out, "paper_tables.md", tables(runs, missing), written, args.doc, args.block)
+    return write_outputs(out, "paper_tables.md", tables(runs, missing), figures(runs, out), args.doc, args.block)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ them (not from this environment's site-packages). It runs on this environment's 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -92,3 +94,81 @@ def test_prepare_gathers_pure_python_wheels_under_64_mib_and_every_module_import
                                ",".join(VLLM_PLUGINS)], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)  # fmt: skip
     assert imported.returncode == 0, imported.stdout[-3000:] + imported.stderr[-3000:]
+
+
+LENT_MACHINE = ("torch", "lightning", "transformers", "tensorboard", "pip")
+"""What the lent GPU machine's Python has (with their dependencies); pip installs the carried wheels."""
+NOT_ON_IT = ("vllm", "bitsandbytes", "jsonargparse", "datasets", "math_verify", "matplotlib")
+
+
+def closure(roots: tuple[str, ...]) -> list[importlib.metadata.Distribution]:
+    """The installed distributions ``roots`` need, their dependencies' dependencies included (no extras)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(roots)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        try:
+            seen[name] = dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+def lent_machine_venv(root: Path) -> Path:
+    """A venv without system site-packages holding exactly :data:`LENT_MACHINE` and their dependencies, each linked
+    from this environment's site-packages (top-level modules and dist-info), so nothing else can be imported."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=60)
+    site = next((root / "lib").glob("python3*/site-packages"))
+    for dist in closure(LENT_MACHINE):
+        tops = {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops - {"__pycache__"}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists() and not top.endswith(".pth"):
+                (site / top).symlink_to(source)
+    return root
+
+
+def carried_wheels(folder: Path) -> Path:
+    """The wheels `prepare` would carry, rebuilt offline from this environment's copies of the same versions."""
+    names = re.search(r'WHEELS="([^"]*)"', SCRIPT.read_text()).group(1).split()
+    folder.mkdir()
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:  # exceptiongroup, tomli: Python 3.10 only
+            continue
+        stem = f"{re.sub(r'[-.]+', '_', dist.metadata['Name'])}-{dist.version}"
+        with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as wheel:
+            for file in dist.files or []:
+                if not str(file).startswith("..") and "__pycache__" not in str(file):
+                    wheel.write(dist.locate_file(file), str(file))
+    return folder
+
+
+@pytest.mark.slow
+def test_run_in_cpu_mode_installs_and_imports_with_only_the_lent_machines_packages(tmp_path):
+    venv = lent_machine_venv(tmp_path / "venv")
+    probe = "import importlib.util as u, sys; sys.exit(any(u.find_spec(n) for n in sys.argv[1:]))"
+    assert subprocess.run([str(venv / "bin" / "python"), "-c", probe, *NOT_ON_IT], timeout=60).returncode == 0
+    out = tmp_path / "out"
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "VENV": str(venv), "CPU": "1",
+           "OUT": str(out), "WHEELS_DIR": str(carried_wheels(tmp_path / "whl")), "TOTAL_S": "480"}  # fmt: skip
+    done = subprocess.run(["bash", str(SCRIPT), "run"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=480)  # fmt: skip
+    report = (out / "gpu_check.md").read_text() if (out / "gpu_check.md").exists() else ""
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "lit_gmc imports" in report and "matplotlib absent" in report and "vllm absent" in report, report
+    tests = (out / "tests.txt").read_text()
+    assert "error" not in tests.lower() and re.search(r"\d+ (skipped|deselected)", tests), tests[-3000:]
+    assert "fit --print_config): status 0" in report and "GMC" in (out / "fit.txt").read_text(), report
+    assert "Learner check (CPU mode: imports only)" in report, (out / "learner.log").read_text()[-2000:]
+    assert int(re.search(r"Total: (\d+) s of 480 s", report).group(1)) <= 480

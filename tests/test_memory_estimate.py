@@ -8,15 +8,24 @@ layer (under ``bf16-mixed``'s autocast with fp32 weights, and in pure bf16); Ada
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_plots import load_script
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 BNB_INSTALL = 'pip install -e ".[vllm]"'
+
+
+def load_script(name: str):
+    """Import a script by path; not test_plots' helper, whose module needs matplotlib (the GPU machine lacks it)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
+    spec.loader.exec_module(module)
+    return module
 
 
 mem = load_script("memory_estimate")

@@ -122,26 +122,27 @@ def test_table_cells_are_the_seed_statistics(sweep):
     assert missing == ["tic-d16-g8-s9"]
     text = plots.tables(runs, missing)
     table1 = table_rows(text, "**Table 1.**")
-    assert list(table1) == ["GRPO", "TIC", "GMC"]  # method order, constant threshold only
+    assert list(table1) == ["GMC-GRPO", "TIC-GRPO", "GRPO"]  # the paper's order, constant threshold only
+    label = {"grpo": "GRPO", "tic": "TIC-GRPO", "gmc": "GMC-GRPO"}
     for method in ("grpo", "gmc"):
         for col, delay in enumerate((0, 16)):
             greedy = [greedy_of(method, delay, 8, s, "constant", 40) for s in (0, 1)]
             want = f"{expected(greedy)} / {expected([v - 0.05 for v in greedy])}"
-            assert table1[method.upper()][col] == want
+            assert table1[label[method]][col] == want
     table1b = table_rows(text, "**Table 1b.**")
     final = [statistics.fmean(reward_of("tic", 16, 8, s, "constant", t) for t in range(STEPS - 25, STEPS))
              for s in (0, 1)]  # fmt: skip
-    assert table1b["TIC"][1] == expected(final, scale=1.0, digits=3)
+    assert table1b["TIC-GRPO"][1] == expected(final, scale=1.0, digits=3)
     table3 = table_rows(text, "**Table 3.**")
     greedy = [greedy_of("gmc", 16, 32, s, "constant", 40) for s in (0, 1)]
-    assert table3["GMC"][2].startswith(f"{expected(greedy)} / ")  # columns G = 4, 8, 32
+    assert table3["GMC-GRPO"][2].startswith(f"{expected(greedy)} / ")  # columns G = 4, 8, 32
     table2 = table_rows(text, "**Table 2.**")  # keyed by method; the last delay's row wins
     want = statistics.fmean(statistics.fmean(dropped_of(16, s, t) for t in range(STEPS)) for s in (0, 1))
-    assert table2["TIC"][0] == "16" and table2["TIC"][1] == f"{want:.3f}" and table2["TIC"][3] == "2.000"
-    assert table2["TIC"][4] == "–"  # no ESS logged in this sweep
+    assert table2["TIC-GRPO"][0] == "16" and table2["TIC-GRPO"][1] == f"{want:.3f}" and table2["TIC-GRPO"][3] == "2.000"
+    assert table2["TIC-GRPO"][4] == "–"  # no ESS logged in this sweep
     table4 = table_rows(text, "**Table 4.**")
-    assert table4["GMC + Cor. 1"][0] == "2" and table4["GMC + Cor. 1"][3] == expected([0.5, 0.51], 1.0, 3)
-    assert table4["GMC"][3] == "0.280 ± 0.000"
+    assert table4["GMC-GRPO + Cor. 1"][0] == "2" and table4["GMC-GRPO + Cor. 1"][3] == expected([0.5, 0.51], 1.0, 3)
+    assert table4["GMC-GRPO"][3] == "0.280 ± 0.000"
 
 
 def test_single_seed_cells_show_no_spread():

@@ -1,7 +1,9 @@
-"""scripts/tables.py: the paper's Tables 1, 3 and 5 and Figure 6 from a synthetic simulated-async suite.
+"""scripts/tables.py: the paper's Tables 1 and 5 and Figure 6 from a synthetic simulated-async suite.
 
 Every run writes real TensorBoard event files and eval JSONs whose values are simple functions of (method,
-model, seed, benchmark, step), so each table cell can be checked against numbers worked out by hand.
+model, seed, benchmark, step), so each table cell can be checked against numbers worked out by hand. A-3PO's
+reward collapses to 0 half-way on the 8B model (as in the paper's Table 5), not on the 1.7B one, where it beats
+GMC-GRPO on avg@n and loses on greedy, so Table 5's bold marks split.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ TITLES = {"math500": "MATH-500", "gsm8k": "GSM8K", "gaokao2023en": "Gaokao2023-E
           "olympiadbench": "OlympiadBench", "minerva": "Minerva", "amc23": "AMC23"}  # fmt: skip
 ORDER = list(BENCH_N)
 BASE = {"grpo": 0.30, "tic": 0.32, "vcpo": 0.34, "gac": 0.36, "a3po": 0.20, "gmc": 0.40}
-LABEL = {"grpo": "GRPO", "tic": "TIC", "vcpo": "VCPO", "gac": "GAC", "a3po": "A-3PO", "gmc": "GMC"}
+LABEL = {"grpo": "GRPO", "tic": "TIC-GRPO", "vcpo": "VCPO", "gac": "GAC", "a3po": "A-3PO", "gmc": "GMC-GRPO"}
 SMALL, LARGE = "Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-8B-Base"
 BONUS = {SMALL: 0.0, LARGE: 0.1}
 SUITE = {LARGE: {"grpo": 1, "tic": 1, "vcpo": 1, "gac": 1, "a3po": 2, "gmc": 2}, SMALL: {"gmc": 2, "a3po": 2}}
@@ -38,15 +40,17 @@ def greedy_of(method: str, model: str, seed: int, bench: str, step: int) -> floa
 
 
 def avg_of(method: str, model: str, seed: int, bench: str, step: int) -> float:
-    return greedy_of(method, model, seed, bench, step) - 0.1
+    gap = 0.15 if (method, model) == ("a3po", SMALL) else -0.1  # the small A-3PO: better sampled, worse greedy
+    return greedy_of(method, model, seed, bench, step) + gap
 
 
 def pass_of(method: str, model: str, seed: int, bench: str, step: int, k: int) -> float:
     return avg_of(method, model, seed, bench, step) + 0.04 * (k.bit_length() - 1)  # +0.04 per doubling of k
 
 
-def reward_of(method: str, step: int) -> float:
-    return 0.0 if method == "a3po" and step >= STEPS // 2 else 0.3 + 0.004 * step  # A-3PO collapses half-way
+def reward_of(method: str, model: str, step: int) -> float:
+    collapsed = (method, model) == ("a3po", LARGE) and step >= STEPS // 2  # 8B A-3PO collapses half-way
+    return 0.0 if collapsed else 0.3 + 0.004 * step
 
 
 def write_run(sweep: Path, method: str, model: str, seed: int) -> dict:
@@ -54,7 +58,7 @@ def write_run(sweep: Path, method: str, model: str, seed: int) -> dict:
     run_dir = sweep / "runs" / name
     writer = SummaryWriter(str(run_dir / "tb" / "version_0"))
     for step in range(STEPS):
-        writer.add_scalar("train/reward", reward_of(method, step), step)
+        writer.add_scalar("train/reward", reward_of(method, model, step), step)
         writer.add_scalar("diag/reward/mean", -1.0, step)  # an old tag beside the final one: must be ignored
         writer.add_scalar("diag/entropy/mean", 1.0 - 0.01 * step, step)
         if method == "vcpo":  # only the running mean (DelayAccounting's), last value 7.3
@@ -104,12 +108,19 @@ def table_rows(text: str, title: str, key_cells: int = 1) -> tuple[list[str], di
     return lines[0], rows
 
 
+def table_lines(text: str, title: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows (lists of cells) of the Markdown table following ``title``; repeated labels kept."""
+    block = text.split(title, 1)[1].split("\n\n", 2)[1]
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()]
+    return lines[0], lines[2:]
+
+
 def spread(values: list[float], scale: float = 100.0) -> str:
-    """What plots.cell prints: mean ± sample std, or the bare mean for one value (one decimal)."""
+    """What the paper tables print: mean ± sample std, or the bare mean for one value (two decimals)."""
     scaled = [scale * v for v in values]
     if len(scaled) == 1:
-        return f"{scaled[0]:.1f}"
-    return f"{statistics.fmean(scaled):.1f} ± {statistics.stdev(scaled):.1f}"
+        return f"{scaled[0]:.2f}"
+    return f"{statistics.fmean(scaled):.2f} ± {statistics.stdev(scaled):.2f}"
 
 
 def seeds_of(model: str, method: str) -> range:
@@ -117,99 +128,102 @@ def seeds_of(model: str, method: str) -> range:
 
 
 def test_table1_cells_are_the_final_checkpoint_seed_statistics(text):
-    header, rows = table_rows(text, "**Table 1 (Qwen3-8B-Base).**")
-    assert header == ["method", "seeds", "MATH-500 (n = 16)", "GSM8K (n = 8)", "Gaokao2023-En (n = 8)",
-                      "OlympiadBench (n = 8)", "Minerva (n = 16)", "AMC23 (n = 16)", "macro average",
-                      "avg. delay"]  # fmt: skip
-    assert list(rows) == ["GRPO", "TIC", "VCPO", "GAC", "A-3PO", "GMC"]  # baselines first, GMC last
+    header, lines = table_lines(text, "**Table 1.**")
+    assert header == ["Method", "Avg. Delay", "MATH-500", "GSM8K", "Gaokao2023-En", "OlympiadBench", "Minerva",
+                      "AMC23", "Avg. perf.", "seeds"]  # fmt: skip
+    # the paper's Table 1: a heading per model, smallest first; GRPO, GAC, VCPO, TIC-GRPO, GMC-GRPO; no A-3PO
+    assert [cells[0] for cells in lines] == ["*Qwen3-1.7B-Base*", "GMC-GRPO", "*Qwen3-8B-Base*", "GRPO", "GAC",
+                                             "VCPO", "TIC-GRPO", "GMC-GRPO"]  # fmt: skip
+    large = {cells[0]: cells[1:] for cells in lines[3:]}
     # by hand: GMC 8B MATH-500 at update 60 is 0.40 + 0.1 + 0 + 0.06 + 0.02 seed = 0.56 and 0.58 (greedy)
-    assert rows["GMC"][:2] == ["2", "57.0 ± 1.4 / 47.0 ± 1.4"]
+    assert large["GMC-GRPO"][1] == "57.00 ± 1.41 / 47.00 ± 1.41"
     # macro: the six benchmarks add 0.00..0.05, mean 0.025: 0.585 and 0.605 greedy
-    assert rows["GMC"][7] == "59.5 ± 1.4 / 49.5 ± 1.4"
+    assert large["GMC-GRPO"][7:] == ["59.50 ± 1.41 / 49.50 ± 1.41", "2"]
     # AMC23 (offset 0.05) of the single-seed TIC run: 0.32 + 0.1 + 0.05 + 0.06 = 0.53
-    assert rows["TIC"][:1] + rows["TIC"][6:7] == ["1", "53.0 / 43.0"]
+    assert large["TIC-GRPO"][6:] == ["53.00 / 43.00", "50.50 / 40.50", "1"]
     # delays: mean of 10 + (t mod 4) + seed over 60 updates = 11.5 + seed; VCPO's last running mean 7.3; GRPO none
-    assert rows["GMC"][8] == "12.0 ± 0.7" and rows["GAC"][8] == "11.5"
-    assert rows["VCPO"][8] == "7.3" and rows["GRPO"][8] == "–"
+    assert large["GMC-GRPO"][0] == "12.00 ± 0.71" and large["GAC"][0] == "11.50"
+    assert large["VCPO"][0] == "7.30" and large["GRPO"][0] == "–"
     for method, label in LABEL.items():
-        cells = rows[label]
+        if method == "a3po":
+            continue
         for col, bench in enumerate(ORDER, start=1):
             greedy = [greedy_of(method, LARGE, s, bench, 60) for s in seeds_of(LARGE, method)]
             avg = [avg_of(method, LARGE, s, bench, 60) for s in seeds_of(LARGE, method)]
-            assert cells[col] == f"{spread(greedy)} / {spread(avg)}", (method, bench)
-    assert "(update 60)" in text.split("**Table 1 (Qwen3-8B-Base).**", 1)[1].split("\n", 1)[0]
+            assert large[label][col] == f"{spread(greedy)} / {spread(avg)}", (method, bench)
+    assert "**" not in text.split("**Table 1.**", 1)[1].split("**Table 5.**")[0]  # Table 1 marks no best
+    caption = text.split("**Table 1.**", 1)[1].split("\n", 1)[0]
+    assert "(update 60)" in caption and "n = 16 for MATH-500, Minerva, AMC23; n = 8 for GSM8K" in caption
 
 
-def test_table1_of_the_small_model_has_only_its_methods(text):
-    _, rows = table_rows(text, "**Table 1 (Qwen3-1.7B-Base).**")
-    assert list(rows) == ["A-3PO", "GMC"]
-    assert rows["A-3PO"][1] == "27.0 ± 1.4 / 17.0 ± 1.4"  # 0.20 + 0.06 (+ 0.02) at MATH-500
-    assert text.index("**Table 1 (Qwen3-1.7B-Base).**") < text.index("**Table 1 (Qwen3-8B-Base).**")
+def test_no_fixed_delay_run_no_fixed_delay_table(text):
+    assert "Table 3" not in text and "Table 4" not in text  # no run here has a fixed delay
 
 
-def test_table3_greedy_and_pass_at_k_on_math500(text):
-    header, rows = table_rows(text, "**Table 3 (Qwen3-8B-Base).**", key_cells=2)
-    assert header == ["D", "method", "seeds", "Greedy", "pass@1", "pass@2", "pass@4", "pass@8", "pass@16"]
-    # the sweep's runs have no fixed delay field: D = 0; Base first, then the methods in order
-    assert list(rows) == [("–", "Base (no RL)")] + [("0", LABEL[m]) for m in BASE]
-    # by hand: GMC 8B MATH-500 at update 60, seeds 0 and 1: greedy 0.56 / 0.58, avg@16 0.1 lower, +0.04 a doubling
-    assert rows[("0", "GMC")] == ["2", "57.0 ± 1.4", "47.0 ± 1.4", "51.0 ± 1.4", "55.0 ± 1.4", "59.0 ± 1.4",
-                                  "63.0 ± 1.4"]  # fmt: skip
-    assert rows[("0", "TIC")][:3] == ["1", "48.0", "38.0"]  # 0.32 + 0.1 + 0.06
-    # Base: the step-0 MATH-500 entries, each distinct one once (here every run's differs: 8 values)
-    base = [greedy_of(m, LARGE, s, "math500", 0) for m in BASE for s in seeds_of(LARGE, m)]
-    assert rows[("–", "Base (no RL)")][:2] == ["–", spread(base)]
-    assert "Table 3 (Qwen3-1.7B-Base)" in text
-
-
-def test_table5_per_benchmark_a3po_against_gmc(text):
-    header, rows = table_rows(text, "**Table 5.**", key_cells=2)
-    assert header == ["model", "method", "seeds", "MATH-500 (n = 16)", "GSM8K (n = 8)", "Gaokao2023-En (n = 8)",
-                      "OlympiadBench (n = 8)", "Minerva (n = 16)", "AMC23 (n = 16)", "macro average",
-                      "avg. delay"]  # fmt: skip
-    assert list(rows) == [("Qwen3-1.7B-Base", "A-3PO"), ("Qwen3-1.7B-Base", "GMC"), ("Qwen3-8B-Base", "A-3PO"),
-                          ("Qwen3-8B-Base", "GMC")]  # fmt: skip
-    # by hand: A-3PO 1.7B MATH-500 0.20 + 0.06 (+ 0.02 seed 1), macro + 0.025; 8B adds 0.1; delays 11.5 + seed
-    assert rows[("Qwen3-1.7B-Base", "A-3PO")][:2] == ["2", "27.0 ± 1.4 / 17.0 ± 1.4"]
-    assert rows[("Qwen3-1.7B-Base", "A-3PO")][-2:] == ["29.5 ± 1.4 / 19.5 ± 1.4", "12.0 ± 0.7"]
-    assert rows[("Qwen3-8B-Base", "GMC")][-2:] == ["59.5 ± 1.4 / 49.5 ± 1.4", "12.0 ± 0.7"]
-    assert rows[("Qwen3-8B-Base", "GMC")][6] == "62.0 ± 1.4 / 52.0 ± 1.4"  # AMC23: + 0.05
+def test_table5_bolds_the_better_entry_and_marks_the_collapsed_run(text):
+    header, lines = table_lines(text, "**Table 5.**")
+    assert header[:3] == ["Method", "Avg. Delay", "MATH-500"] and header[-2:] == ["Avg. perf.", "seeds"]
+    assert [c[0] for c in lines] == ["*Qwen3-1.7B-Base*", "A-3PO", "GMC-GRPO", "*Qwen3-8B-Base*", "A-3PO", "GMC-GRPO"]
+    cells = [c[1:] for c in lines]
+    small_a3po, small_gmc, large_a3po, large_gmc = cells[1], cells[2], cells[4], cells[5]
+    # 1.7B, MATH-500: A-3PO greedy 0.26/0.28, avg@16 0.15 higher; GMC greedy 0.46/0.48, avg@16 0.1 lower
+    assert small_a3po[:2] == ["12.00 ± 0.71", "27.00 ± 1.41 / **42.00 ± 1.41**"]
+    assert small_gmc[1] == "**47.00 ± 1.41** / 37.00 ± 1.41"
+    # macro: + 0.025 (the mean of the benchmark offsets)
+    assert small_a3po[7] == "29.50 ± 1.41 / **44.50 ± 1.41**" and small_gmc[7] == "**49.50 ± 1.41** / 39.50 ± 1.41"
+    # 8B: A-3PO's reward is 0 from update 30 to the end (30 updates >= 25): collapsed, no numbers, nothing to beat
+    assert large_a3po[:3] == ["–", "Training collapsed (update 30)", ""] and large_a3po[-1] == "2"
+    assert large_gmc[1] == "57.00 ± 1.41 / 47.00 ± 1.41" and "**" not in "".join(large_gmc)
     assert text.rstrip().endswith("Not finished (left out): gac-Qwen3-8B-Base-s1.")
+
+
+def test_collapse_is_read_from_the_records():
+    def run(rewards, losses=()):
+        scalars = {"train/reward": list(enumerate(rewards)), "train/loss": list(enumerate(losses))}
+        return plots.Run("r", "a3po", None, 8, 0, "constant", scalars, {})
+
+    assert tables.collapse_step(run([0.5] * 10 + [0.0] * 25)) == 10
+    assert tables.collapse_step(run([0.5] * 10 + [0.0] * 24)) is None  # too short a stretch
+    assert tables.collapse_step(run([0.5] * 10 + [0.0] * 20 + [0.02] + [0.0] * 10)) is None  # not staying at 0
+    assert tables.collapse_step(run([0.0] * 40)) is None  # never above zero: nothing fell
+    assert tables.collapse_step(run([0.5] * 5, [1.0, 2.0, float("nan"), 1.0])) == 2  # non-finite loss
 
 
 def test_figure6_and_doc_block_are_written(sweep, tmp_path):
     doc = tmp_path / "results.md"
     doc.write_text("# Paper\n\n<!-- paper_tables:begin -->\nSTALE\n<!-- paper_tables:end -->\n\nprose\n")
     written = tables.main(["--sweep", str(sweep), "--out", str(tmp_path / "out"), "--doc", str(doc)])
-    figures_2_3 = [f"fig2_3_math500_pass_at_1_{model}" for model in ("Qwen3-1.7B-Base", "Qwen3-8B-Base")]
-    for stem in ("fig6_a3po_reward", *figures_2_3):
-        for suffix in ("png", "pdf"):  # Figures 2/3 from a sweep too: one per model, here one D = 0 panel each
-            path = tmp_path / "out" / f"{stem}.{suffix}"
-            assert path in written and path.stat().st_size > 5_000, path
+    for suffix in ("png", "pdf"):
+        path = tmp_path / "out" / f"fig6_a3po_reward.{suffix}"
+        assert path in written and path.stat().st_size > 5_000, path
+    assert not list((tmp_path / "out").glob("fig[2-5]*"))  # no fixed-delay run: no Figures 2-5
     image = matplotlib.image.imread(tmp_path / "out" / "fig6_a3po_reward.png")
-    assert image.ndim == 3 and image.shape[1] > image.shape[0]  # two model panels side by side (reward, entropy)
+    assert image.ndim == 3 and image.shape[1] > image.shape[0]  # two model panels side by side
     text = (tmp_path / "out" / "paper_tables.md").read_text()
     content = doc.read_text()
     assert "STALE" not in content and text in content and content.endswith("prose\n")
 
 
-def test_reward_curves_prefer_the_final_tag_and_a3po_is_highlighted(sweep):
+def test_figure6_is_a3po_against_gmc_faint_and_smoothed(sweep):
     runs, _ = plots.load_sweep(sweep)
-    a3po = next(r for r in runs if r.method == "a3po" and r.model == LARGE)
-    assert a3po.series(plots.REWARD_TAGS)[-1] == (STEPS - 1, 0.0)  # train/reward, not the old diag/reward/mean
-    fig, ax = tables.plt.subplots()
-    colours = tables.method_colours(runs)
-    tables.plot_curves(ax, [r for r in runs if r.model == LARGE], plots.REWARD_TAGS, colours)
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines) == ["GRPO", "TIC", "VCPO", "GAC", "A-3PO", "GMC"]
-    assert lines["A-3PO"].get_linewidth() > 2 * lines["GMC"].get_linewidth()
-    assert lines["A-3PO"].get_color() == "tab:red" and len(set(colours.values())) == len(colours)
-    smoothed = list(lines["A-3PO"].get_ydata())
+    captured = {}
+    real_save = tables.save
+    tables.save = lambda fig, out, stem: captured.setdefault(stem, fig) and []
+    try:
+        tables.figure_a3po(runs, Path("unused"))
+    finally:
+        tables.save = real_save
+    axes = captured["fig6_a3po_reward"].axes
+    assert [ax.get_title() for ax in axes] == ["Qwen3-1.7B-Base", "Qwen3-8B-Base"]
+    lines = axes[1].get_lines()  # per method: the faint per-update curve, then the smoothed one
+    assert [line.get_label() for line in lines[1::2]] == ["A-3PO (2 seeds)", "GMC-GRPO (2 seeds)"]
+    assert lines[0].get_color() == "tab:red" and lines[0].get_alpha() == 0.25
+    smoothed = list(lines[1].get_ydata())
     # centred window of 25 at update 0 averages updates 0..12; by update 59 it covers only collapsed updates
-    assert smoothed[0] == pytest.approx(statistics.fmean(reward_of("a3po", t) for t in range(13)))
+    assert smoothed[0] == pytest.approx(statistics.fmean(reward_of("a3po", LARGE, t) for t in range(13)))
     assert smoothed[-1] == 0.0
-    tables.plt.close(fig)
-    assert tables.figure_a3po([plots.Run("x", "gmc", 0, 8, 0, "constant", {}, {})], Path("unused")) == []
+    plots.plt.close(captured["fig6_a3po_reward"])
+    assert tables.figure_a3po([plots.Run("x", "gmc", None, 8, 0, "constant", {}, {})], Path("unused")) == []
 
 
 def test_model_of_and_groups(tmp_path):
@@ -224,9 +238,3 @@ def test_model_of_and_groups(tmp_path):
     names = ["Qwen/Qwen3-14B-Base", "Qwen/Qwen3-8B-Base", "tiny", "Qwen/Qwen3-1.7B-Base"]
     assert sorted(names, key=tables.model_sort_key) == [names[3], names[1], names[0], "tiny"]
     assert tables.model_name("") == "all runs" and tables.model_name("Qwen/Qwen3-8B-Base") == "Qwen3-8B-Base"
-
-
-def test_rows_never_average_over_delays():
-    runs = [plots.Run(f"r{i}", m, d, 8, 0, "constant", {}, {}) for i, (m, d) in enumerate([("gmc", 0), ("gmc", 8)])]
-    assert list(tables.method_rows(runs)) == ["GMC (D = 0)", "GMC (D = 8)"]
-    assert list(tables.method_rows(runs[:1])) == ["GMC"]

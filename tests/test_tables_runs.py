@@ -138,34 +138,36 @@ def test_resumed_versions_merge_into_one_run(root):
 
 def test_tables_of_the_simulated_async_suite_from_run_folders(root, tmp_path):
     written = tables.main(["--runs-root", str(root / "simulated_async"), "--out", str(tmp_path / "out")])
-    assert {p.name for p in written} == {"fig6_a3po_reward.png", "fig6_a3po_reward.pdf", "paper_tables.md"}
+    assert {p.name for p in written} == {"paper_tables.md"}  # no A-3PO run: no Figure 6; no fixed delay: no 2-5
     text = (tmp_path / "out" / "paper_tables.md").read_text()
     header, rows = table_rows(text, "**Table 1.**")
-    assert header == ["method", "seeds", "MATH-500 (n = 16)", "GSM8K (n = 8)", "macro average", "avg. delay"]
-    assert list(rows) == ["TIC", "GMC"]  # the unfinished GRPO run is left out
+    assert header == ["Method", "Avg. Delay", "MATH-500", "GSM8K", "Avg. perf.", "seeds"]
+    assert list(rows) == ["*Qwen3-4B-Base*", "TIC-GRPO", "GMC-GRPO"]  # the unfinished GRPO run is left out
     # GMC at update 20: 0.40 + 0.02 (MATH-500) and + 0.01 (GSM8K), avg@n 0.1 lower; average delay over the merged
     # 20 updates: (8 x 2 + 12 x 4) / 20 = 3.2 (version_1 alone: 4.0; version_0 winning 8..11: 3.0)
-    assert rows["GMC"] == ["1", "42.0 / 32.0", "43.0 / 33.0", "42.5 / 32.5", "3.2"]
+    assert rows["GMC-GRPO"] == ["3.20", "42.00 / 32.00", "43.00 / 33.00", "42.50 / 32.50", "1"]
     # TIC seeds 0 and 1 (+0.02): 0.34 and 0.36 at MATH-500; delays 1.5 and 2.5
-    assert rows["TIC"] == ["2", "35.0 ± 1.4 / 25.0 ± 1.4", "36.0 ± 1.4 / 26.0 ± 1.4", "35.5 ± 1.4 / 25.5 ± 1.4",
-                           "2.0 ± 0.7"]  # fmt: skip
-    assert "(update 20)" in text.split("**Table 1.**", 1)[1].split("\n", 1)[0]
-    # the virtual clock sets no delay (no Table 3 or 4, no Figures 2/3), and there is no A-3PO run (no Table 5)
+    assert rows["TIC-GRPO"] == ["2.00 ± 0.71", "35.00 ± 1.41 / 25.00 ± 1.41", "36.00 ± 1.41 / 26.00 ± 1.41",
+                                "35.50 ± 1.41 / 25.50 ± 1.41", "2"]  # fmt: skip
+    caption = text.split("**Table 1.**", 1)[1].split("\n", 1)[0]
+    assert "(update 20)" in caption and "n = 16 for MATH-500; n = 8 for GSM8K" in caption
+    # the virtual clock sets no delay (no Table 3 or 4), and there is no A-3PO run (no Table 5)
     assert "**Table 3" not in text and "**Table 4" not in text and "**Table 5" not in text
     assert text.rstrip().endswith("Not finished (left out): qwen3_4b_grpo (10/20 updates).")
 
 
-def test_runs_with_several_delay_settings_get_a_row_each(root, tmp_path):
+def test_runs_are_placed_by_their_schedule(root, tmp_path):
     folders = [root / "fixed_delay_d64" / "qwen3_4b_gmc", root / "fixed_delay_d0" / "qwen3_4b_gmc",
                root / "simulated_async" / "qwen3_4b_gmc", root / "simulated_async" / "qwen3_4b_tic"]  # fmt: skip
     tables.main(["--runs", *map(str, folders), "--out", str(tmp_path)])
     text = (tmp_path / "paper_tables.md").read_text()
     _, rows = table_rows(text, "**Table 1.**")
-    assert list(rows) == ["TIC (VirtualClock)", "GMC (D = 0)", "GMC (D = 64)", "GMC (VirtualClock)"]
-    # MATH-500 at update 20: Sync 0.42 + 0.05, D = 64 0.42 - 0.1; delays: mean of t mod 4 = 1.5, and 64
-    assert rows["GMC (D = 0)"][1] == "47.0 / 37.0" and rows["GMC (D = 0)"][-1] == "1.5"
-    assert rows["GMC (D = 64)"][1] == "32.0 / 22.0" and rows["GMC (D = 64)"][-1] == "64.0"
-    assert rows["GMC (VirtualClock)"][-1] == "3.2"
+    assert list(rows) == ["*Qwen3-4B-Base*", "TIC-GRPO", "GMC-GRPO"]  # VirtualClock runs only
+    assert rows["GMC-GRPO"][0] == "3.20"
+    # Sync (D = 0) and FixedDelay (D = 64) go to Table 3; MATH-500 at update 20: Sync 0.42 + 0.05, D = 64 0.42 - 0.1
+    _, rows = table_rows(text, "**Table 3.**", key_cells=2)
+    assert list(rows) == [("–", "Base (no RL)"), ("0", "GMC-GRPO"), ("64", "GMC-GRPO")]
+    assert rows[("0", "GMC-GRPO")][0] == "47.00" and rows[("64", "GMC-GRPO")][0] == "32.00"
     assert "Not finished" not in text
 
 
@@ -173,8 +175,8 @@ def test_unfinished_runs_can_be_included(root, tmp_path):
     tables.main(["--runs-root", str(root / "simulated_async"), "--include-unfinished", "--out", str(tmp_path)])
     text = (tmp_path / "paper_tables.md").read_text()
     _, rows = table_rows(text, "**Table 1.**")
-    assert list(rows) == ["GRPO", "TIC", "GMC"]
-    assert rows["GRPO"][1] == "30.0 / 20.0" and rows["GRPO"][-1] == "1.0"  # its last evaluation: update 0
+    assert list(rows) == ["*Qwen3-4B-Base*", "GRPO", "TIC-GRPO", "GMC-GRPO"]
+    assert rows["GRPO"][:2] == ["1.00", "30.00 / 20.00"]  # its last evaluation: update 0
     assert "(update 0, 20)" in text and "Not finished" not in text
 
 
@@ -224,11 +226,11 @@ def test_tables_from_real_tiny_runs(tmp_path, shared_data):
     tables.main(["--runs-root", str(tmp_path / "suite"), "--out", str(out)])
     text = (out / "paper_tables.md").read_text()
     header, rows = table_rows(text, "Table 1")
-    assert list(rows) == ["TIC", "GMC"]
-    assert len(header) == 1 + 1 + 6 + 1 + 1  # method, seeds, six benchmarks, macro average, average delay
-    for method, cells in rows.items():
+    assert list(rows)[1:] == ["TIC-GRPO", "GMC-GRPO"]
+    assert len(header) == 1 + 1 + 6 + 1 + 1  # method, average delay, six benchmarks, average, seeds
+    for rule, label in (("gmc", "GMC-GRPO"), ("tic", "TIC-GRPO")):
+        cells = rows[label]
         assert all(" / " in cell for cell in cells[1:8])  # greedy / avg@n of each benchmark and the macro average
-        scalars = read_scalars(tmp_path / "suite" / f"tiny_{method.lower()}")
-        delays = [value for _, value in scalars["delay/mean"]]
-        assert cells[-1] == f"{sum(delays) / len(delays):.1f}"
-    assert (out / "fig6_a3po_reward.png").exists()
+        delays = [value for _, value in read_scalars(tmp_path / "suite" / f"tiny_{rule}")["delay/mean"]]
+        assert cells[0] == f"{sum(delays) / len(delays):.2f}"
+    assert not (out / "fig6_a3po_reward.png").exists()  # no A-3PO run
