@@ -20,7 +20,7 @@ MODEL = "Qwen/Qwen3-1.7B-Base"
 STEPS = 30
 RULES = {"gmc": "GMC", "tic": "TIC", "a3po": "A3PO"}
 FIXED = {"class_path": "lit_gmc.data.schedules.FixedDelay", "init_args": {"delay": 128}}
-CLOCK = {"class_path": "lit_gmc.data.virtual_clock.VirtualClock", "init_args": {"c_gen": 85.0, "lam": 28.0}}
+CLOCK = {"class_path": "lit_gmc.data.schedules.virtual_clock.VirtualClock", "init_args": {"c_gen": 85.0, "lam": 28.0}}
 RUNS = [("gmc", FIXED, 8), ("tic", FIXED, 8), ("gmc", FIXED, 4), ("tic", FIXED, 4), ("a3po", CLOCK, 8),
         ("gmc", CLOCK, 8)]  # fmt: skip
 
