@@ -34,6 +34,10 @@ What is counted (GiB = 2**30 bytes), for one micro-batch of ``sequences`` rows o
   prefetched) and of the root unit (FSDP2 keeps the root gathered from forward through backward), and the
   root's unsharded head gradient, reduce-scattered only when the backward ends.
 
+- The behaviour recompute (``--data.recompute_behavior_logprobs``, off by default; ``--recompute-behavior-logprobs``
+  here): a second full copy of the actor in the learner's parameter dtype on the engine owner's device (global rank
+  0), resident for the whole run; its forward-only scoring runs between updates, never beside the backward's peak.
+
 Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), gradient temporaries of the
 layer being back-propagated, and the rollout engine (colocated vLLM takes ``gpu_memory_utilization`` of the GPU
 while awake and frees its weights and KV cache while asleep).
@@ -199,11 +203,21 @@ def activation_parts(arch: Arch, setting: Setting, work: Workload) -> dict[str, 
     return {"checkpoints": checkpoint_bytes(arch, setting, work), "layer": layer, "head": head}
 
 
-def single_gpu(arch: Arch, setting: Setting, work: Workload) -> dict[str, float]:
-    """Every part of one GPU's peak, in GiB, plus ``resident`` (model states kept between steps) and ``peak``."""
+def recompute_copy_bytes(arch: Arch, setting: Setting) -> int:
+    """The behaviour recompute's model copy: every parameter in the learner's dtype (``BehaviorRecompute``)."""
+    return setting.param_bytes * param_count(arch)
+
+
+def single_gpu(arch: Arch, setting: Setting, work: Workload, recompute: bool = False) -> dict[str, float]:
+    """Every part of one GPU's peak, in GiB, plus ``resident`` (model states kept between steps) and ``peak``.
+
+    ``recompute_copy`` is the behaviour recompute's model copy, counted in ``resident`` and ``peak`` only when
+    ``recompute`` is on (``--data.recompute_behavior_logprobs``).
+    """
     states = state_parts(arch, setting)
     acts = activation_parts(arch, setting, work)
-    parts = {**states, **acts, "resident": sum(states.values())}
+    copy = recompute_copy_bytes(arch, setting)
+    parts = {**states, **acts, "recompute_copy": copy, "resident": sum(states.values()) + (copy if recompute else 0)}
     parts["peak"] = parts["resident"] + acts["checkpoints"] + max(acts["layer"], acts["head"])
     return {k: v / GIB for k, v in parts.items()}
 
@@ -265,19 +279,22 @@ def gb(value: float) -> str:
     return f"{value:.1f}"
 
 
-def settings_table(models: list[str], work: Workload) -> str:
-    """One row per model and setting: the parts of a single GPU's peak, in GiB."""
+PARTS = ("params", "grads", "optimizer", "checkpoints", "layer", "head", "recompute_copy", "resident", "peak")
+
+
+def settings_table(models: list[str], work: Workload, recompute: bool = False) -> str:
+    """One row per model and setting: the parts of a single GPU's peak, in GiB (with the recompute's copy if on)."""
     lines = [
         "| model (params) | setting | weights | grads | optimizer | layer-boundary checkpoints | one layer recomputed "
-        "(+ its bf16 weights) | LM-head chunk | resident between steps | peak |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(+ its bf16 weights) | LM-head chunk | behaviour recompute copy (if on) | resident between steps | peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key in models:
         arch = QWEN3[key]
         label = f"{arch.name} ({param_count(arch) / 1e9:.2f}B)"
         for setting in SETTINGS:
-            p = single_gpu(arch, setting, work)
-            cells = [p[k] for k in ("params", "grads", "optimizer", "checkpoints", "layer", "head", "resident", "peak")]
+            p = single_gpu(arch, setting, work, recompute)
+            cells = [p[k] for k in PARTS]
             lines.append(f"| {label} | {setting.name} | " + " | ".join(gb(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -322,6 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="learner ranks k for the per-rank table of --strategy (none: no table)")  # fmt: skip
     parser.add_argument("--strategy", nargs="+", choices=["ddp", "fsdp2"], default=["ddp", "fsdp2"],
                         help="--trainer.strategy values in the per-rank table")  # fmt: skip
+    parser.add_argument("--recompute-behavior-logprobs", action="store_true",
+                        help="count the recompute's model copy (--data.recompute_behavior_logprobs)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -331,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Learner memory per GPU, GiB: micro-batch of {work.sequences} sequences x ({work.prompt_tokens} prompt + "
           f"{work.completion_tokens} completion) tokens, gradient checkpointing, LM head in chunks of "
           f"{work.chunk_positions} positions.\n")  # fmt: skip
-    print(settings_table(args.models, work))
+    print(settings_table(args.models, work, args.recompute_behavior_logprobs))
     if args.fsdp:
         print("\nShipped setting sharded with FSDP over k GPUs: peak per GPU (model states resident between steps).\n")
         print(fsdp_table(args.models, work, args.fsdp))

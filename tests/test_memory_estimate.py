@@ -187,3 +187,26 @@ def test_main_prints_both_tables(capsys):
     out = capsys.readouterr().out
     assert "| Qwen3-1.7B (1.72B) | fp32 master + bf16-mixed + 8-bit AdamW (shipped) |" in out
     assert "| model | k = 1 | k = 2 |" in out
+
+
+@pytest.mark.parametrize("key", sorted(mem.QWEN3))
+def test_the_behaviour_recompute_copy_is_counted_only_when_on(key):
+    """``--data.recompute_behavior_logprobs`` keeps a whole second actor in the learner's dtype (fp32 masters: 4
+    bytes a parameter, 16 GiB at 4B); off (the default) it costs nothing."""
+    arch, setting, work = mem.QWEN3[key], mem.SETTINGS[0], mem.Workload()
+    off, on = mem.single_gpu(arch, setting, work), mem.single_gpu(arch, setting, work, recompute=True)
+    copy = 4 * mem.param_count(arch) / mem.GIB
+    assert off["recompute_copy"] == on["recompute_copy"] == copy  # shown either way, counted only when on
+    assert on["resident"] == pytest.approx(off["resident"] + copy, rel=1e-12)
+    assert on["peak"] == pytest.approx(off["peak"] + copy, rel=1e-12)
+
+
+def test_main_adds_the_recompute_copy_when_asked(capsys):
+    def peak_of_shipped_row(argv):
+        mem.main(["--models", "1.7B", "--fsdp", *argv])
+        row = next(line for line in capsys.readouterr().out.splitlines() if "(shipped) |" in line)
+        return [float(cell) for cell in row.strip("| ").split(" | ")[2:]]
+
+    off, on = peak_of_shipped_row([]), peak_of_shipped_row(["--recompute-behavior-logprobs"])
+    assert off[6] == on[6] == pytest.approx(4 * 1.72e9 / mem.GIB, abs=0.1)  # the copy's column
+    assert on[-1] == pytest.approx(off[-1] + on[6], abs=0.11)  # the peak, to the table's one decimal

@@ -31,7 +31,9 @@ class BehaviorRecompute:
     the engine's. The gap it removed is measured: :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|``
     over the tokens generated since the previous call. The learner applies no top-p, so with ``top_p < 1`` the
     rescored log-probs are those of the tempered, untruncated distribution, as the learner's are. At scale the copy
-    is a second full model on the learner's device: chosen knowingly, not the paper's setting.
+    is a second full model in the learner's dtype on the engine owner's device (15 GiB at Qwen3-4B with fp32
+    masters; ``scripts/memory_estimate.py --recompute-behavior-logprobs`` counts it): off by default, not the
+    paper's setting.
 
     Args:
         engine: The engine that samples.
