@@ -57,7 +57,8 @@ def foreign_option(message: str) -> tuple[str, str] | None:
         return None
     flag, name = f"--{key[1]}.{option[1]}", class_path[1].rpartition(".")[2]
     with contextlib.suppress(ImportError, AttributeError, ValueError):
-        accepted = [p for p in inspect.signature(resolve_name(class_path[1])).parameters if p not in ("self", "args")]
+        parameters = inspect.signature(resolve_name(class_path[1])).parameters.values()
+        accepted = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         name += f" has no option {option[1]} (its options: {', '.join(accepted) or 'none'})"
     if not name.endswith(")"):
         name += f" has no option {option[1]}"

@@ -20,18 +20,18 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import TinyRecipe, build_char_tokenizer, build_tiny_model
-from lit_gmc.baselines import (
+from lit_gmc.batch import RolloutGroup, collate_groups
+from lit_gmc.callbacks.weight_sync import WeightSync
+from lit_gmc.corrections import PolicyTerms
+from lit_gmc.logprobs import response_logprobs
+from lit_gmc.module import GMCModule
+from lit_gmc.objectives import (
     a3po_alpha,
     a3po_behavior_weight,
     ess_step_factor,
     gac_shift,
     vcpo_baseline,
 )
-from lit_gmc.batch import RolloutGroup, collate_groups
-from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.corrections import PolicyTerms
-from lit_gmc.logprobs import response_logprobs
-from lit_gmc.module import GMCModule
 from lit_gmc.rules import A3PO, CISPO, GAC, GMC, TIS, VCPO
 
 BASELINES = ("vcpo", "gac", "a3po", "a3po_capped", "cispo", "tis")

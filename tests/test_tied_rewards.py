@@ -13,8 +13,8 @@ import torch
 
 import lit_gmc.rules
 from lit_gmc import objectives as O
-from lit_gmc.baselines import MIN_REWARD_STD, group_normalized_advantages, vcpo_baseline
 from lit_gmc.corrections import PolicyTerms
+from lit_gmc.objectives import MIN_REWARD_STD, group_normalized_advantages, vcpo_baseline
 
 GROUP_SIZES = (2, 3, 5, 8)
 DTYPES = (torch.float32, torch.float64)
