@@ -75,7 +75,7 @@ def unknown_rule(message: str) -> tuple[str, str] | None:
     if bad is None or bad[0] != "--model.correction":
         return None
     value = bad[1].removeprefix("--model.correction=").split(":", 1)[0]
-    rules = ", ".join(sorted(lit_gmc.rules.__all__))  # the built-in ones (a user's are named by import path)
+    rules = ", ".join(lit_gmc.rules.registered())  # the built-in ones (a user's are named by import path)
     return bad[0], f"--model.correction={value} is not a rule: one of {rules}, or a Correction subclass's import path"
 
 
