@@ -8,11 +8,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, PolicyTerms, aggregation_problem, positive_problem
+from lit_gmc.corrections import PolicyTerms, aggregation_problem, positive_problem
+from lit_gmc.rules.grpo import GRPO
 
 
-class A3PO(Correction):
-    """A-3PO; by default as the seed paper states it, the outer factor ``pi_prox / pi_b`` NOT clipped.
+class A3PO(GRPO):
+    """A-3PO: GRPO's PPO clip against a proximal policy, times ``pi_prox / pi_b`` (by default NOT clipped).
 
     Per token, ``log pi_prox = alpha l + (1 - alpha) sg(log pi_theta)`` with ``alpha = 1 / max(1, tau)`` (``tau``
     the group's delay), ``r = exp(log pi_theta - log pi_prox)`` and
@@ -20,9 +21,9 @@ class A3PO(Correction):
         ``loss_t = -sg(pi_prox / pi_b) min(r A, clip(r, 1 - clip, 1 + clip) A)``.
 
     Its gradient on an unclipped token is ``-(pi_theta / pi_b) A grad log pi_theta``: the full, unbounded token
-    ratio, the factor the seed paper blames for A-3PO's collapse at 8B. Group-centred advantages. Logs
-    ``a3po/over_cap_fraction``, the share of real tokens with ``pi_prox / pi_b`` above ``behavior_cap`` (AReaL's 5
-    when unset, only reported).
+    ratio, the factor the seed paper blames for A-3PO's collapse at 8B. GRPO's advantages, and GRPO's loss exactly
+    when ``tau <= 1``. Logs ``a3po/over_cap_fraction``, the share of real tokens with ``pi_prox / pi_b`` above
+    ``behavior_cap`` (AReaL's 5 when unset, only reported).
 
     Args:
         clip: Two-sided PPO clip of the ratio to the proximal policy (0.2).
@@ -33,13 +34,12 @@ class A3PO(Correction):
             tokens).
     """
 
-    threshold_option = "clip"
     default_aggregation = "token_mean"
 
     def __init__(
         self, clip: float = 0.2, behavior_cap: float | None = None, aggregation: O.Aggregation | None = None
     ) -> None:
-        super().__init__(aggregation, clip=clip, behavior_cap=behavior_cap)
+        super().__init__(clip, aggregation, behavior_cap=behavior_cap)
 
     @classmethod
     def option_problems(  # type: ignore[override]
@@ -48,14 +48,6 @@ class A3PO(Correction):
         """Every problem with A-3PO's options, one line each."""
         capped = positive_problem("behavior_cap", behavior_cap) if behavior_cap is not None else []
         return positive_problem("clip", clip) + capped + aggregation_problem(aggregation)
-
-    @override
-    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.group_centered_advantages(terms.rewards, terms.group_size)
-
-    @override
-    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.trajectory_ratio(log_rho)
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:

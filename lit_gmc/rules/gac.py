@@ -20,17 +20,10 @@ class GAC(GRPO):
 
     RECONSTRUCTION (DESIGN.md §8; :func:`~lit_gmc.objectives.gac_shift`): with ``c = cos(g, g_prev)``, unchanged
     for ``c <= cosine_low``; the component along ``g_prev`` shrunk until the cosine is ``cosine_low`` for
-    ``cosine_low < c <= cosine_high``; removed above.
-
-    ``g_prev`` is the previous step's raw gradient (before its own projection): the cosine between consecutive
-    policy gradients is the signal the paper monitors, and measuring it against an already-projected update would
-    make it depend on the previous projection. It is a full copy of the gradient, saved in checkpoints, so a
-    resumed run projects exactly as an uninterrupted one.
-
-    FSDP2: each rank holds shards of every gradient, so the three sums are taken over the local shards and summed
-    over ranks before :func:`~lit_gmc.objectives.gac_shift`, which keeps the cosine global; the shift is then
-    applied shard by shard. Under DDP the gradients are already reduced and replicated. Checkpoints hold the whole
-    previous gradient (gathered to rank 0, which writes them).
+    ``cosine_low < c <= cosine_high``; removed above. ``g_prev`` is the previous step's raw gradient (before its own
+    projection, so the cosine the paper monitors never depends on the previous projection), kept whole in
+    checkpoints so that a resumed run projects exactly as an uninterrupted one. Under FSDP2 the sums behind the
+    cosine are taken over the local shards and then over ranks, so the cosine is global.
 
     Args:
         clip: Two-sided PPO clip of the token ratio (0.2).
