@@ -585,16 +585,19 @@ RULE_METRICS = {"vcpo": "vcpo/lr_factor", "gac": "gac/cosine", "a3po": "a3po/ove
                 "tis": "tis/truncated_fraction"}  # fmt: skip
 
 
+STEPS = 8  # past the delay-2 queue's fill (from step 2 on every delay is 2), with 6 steady updates
+
+
 @pytest.mark.parametrize("name", BASELINES)
 def test_tiny_fit_with_fixed_delay_gives_finite_loss(name, tmp_path):
-    trainer, module, rec = fit(name, 20, tmp_path)
-    assert trainer.global_step == 20 and len(rec.losses) == 20
+    trainer, module, rec = fit(name, STEPS, tmp_path)
+    assert trainer.global_step == STEPS and len(rec.losses) == STEPS
     assert all(math.isfinite(x) for x in rec.losses)
     assert RULE_METRICS[name] in rec.metrics[-1]
     assert rec.metrics[-1]["delay/mean"] == 2.0
     if name == "vcpo":  # the step used the scheduled lr times this step's ESS factor, and only that step
         for step, (lr, metrics) in enumerate(zip(rec.step_lrs, rec.metrics, strict=True)):
-            scheduled = 2e-4 * old_lr_multiplier(step, 20, 0)  # the default AdamW's lr
+            scheduled = 2e-4 * old_lr_multiplier(step, STEPS, 0)  # the default AdamW's lr
             assert lr == pytest.approx(scheduled * metrics["vcpo/lr_factor"], rel=1e-6)
 
 
