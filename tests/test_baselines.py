@@ -46,6 +46,8 @@ def old_lr_multiplier(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
 T_MAX = 6
 G = 3
 REWARDS = ([1.0, 0.0, 0.5], [0.2, 0.9, 0.0])
