@@ -1,23 +1,15 @@
 """The off-policy rule as a component: the :class:`Correction` base class and what a rule sees and returns.
 
-Every rule is a subclass of :class:`Correction` in its own file under :mod:`lit_gmc.rules`, owning its
-threshold(s) under its own name (GMC's ``cap``, GRPO's ``clip``, VCPO's ``c``, ...) and its loss ``aggregation``.
-LightningCLI builds it from ``class_path`` + ``init_args`` like a delay schedule, so ``--model.correction GRPO
---model.correction.clip 0.25`` works and an option of one rule cannot be given to another. The registry is the set
-of subclasses, which jsonargparse resolves by short name; :class:`lit_gmc.module.GMCModule` never branches on the
-rule.
-
-A rule maps the policy terms of a micro-batch of whole groups to a per-token loss (aggregated by the module with
-the batch-wide normaliser) plus detached diagnostics. Rules that change the optimizer step (VCPO's step size,
-GAC's gradient projection) override :meth:`Correction.before_step` / :meth:`Correction.after_step`, and rules with
-state across updates (GAC's previous gradient, GMC's running delay moments) :meth:`Correction.state_dict`; the
-module checkpoints it. The math lives in :mod:`lit_gmc.objectives` and :mod:`lit_gmc.baselines`.
+A rule is one class in one file of :mod:`lit_gmc.rules` (that package's registry finds it): its choice of
+advantages, per-sample coefficients and token loss from :mod:`lit_gmc.objectives`, its one threshold option, its
+authors' aggregation, and the step hooks it needs (VCPO's step size, GAC's projection). LightningCLI builds it from
+``class_path`` + ``init_args``, so an option of one rule cannot be given to another; :class:`lit_gmc.module.GMCModule`
+never branches on the rule, and checkpoints what :meth:`Correction.state_dict` returns.
 """
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_args
 
@@ -25,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lit_gmc import objectives as O
+from lit_gmc.options import check_options
 
 AGGREGATIONS = get_args(O.Aggregation)  # ("seq_sum_over_T", "token_mean", "seq_mean_token_mean")
 
@@ -85,43 +78,84 @@ def aggregation_problem(aggregation: str | None) -> list[str]:
     return [f"aggregation={aggregation!r} is not one of {', '.join(AGGREGATIONS)}"]
 
 
-class Correction(ABC):
+class Correction:
     """Base of the off-policy rules; a subclass is one rule (``--model.correction <ClassName>``).
 
-    A subclass takes only its own options, each documented in its docstring's ``Args`` (that becomes ``--help``),
-    checks them in a static ``option_problems`` named like its init args (the CLI reports every bad option of a run
-    at once through it) and calls ``super().__init__(aggregation or <its authors' aggregation>)``. A rule's
-    ``aggregation`` option defaults to ``None`` rather than its value: jsonargparse carries the options a new
-    ``--model.correction`` shares with the previous one over to it, and a default written out would then replace
-    the new rule's own. A rule with one threshold names it in ``threshold_option``, and it is logged every update.
+    Its defaults are the paper's plain estimator (eq. 2): coefficients ``rho_i``, leave-one-out advantages, the
+    surrogate token loss; a rule overrides the ones it changes (or ``__call__`` as a whole).
+
+    A rule's ``__init__`` takes only its own options, documented in its docstring's ``Args`` (that becomes
+    ``--help``), and passes them to this constructor, which checks them all at once (:meth:`option_problems`, which
+    the CLI also calls on the parsed config) and sets them as attributes. A rule's ``aggregation`` defaults to
+    ``None``, meaning :attr:`default_aggregation`: jsonargparse carries the options a new ``--model.correction``
+    shares with the previous one over to it, and a default written out would replace the new rule's own.
 
     Args:
-        aggregation: ``seq_sum_over_T`` (the paper's ``1/(T B G)``), ``token_mean`` or ``seq_mean_token_mean``.
+        aggregation: ``seq_sum_over_T`` (the paper's ``1/(T B G)``), ``token_mean`` or ``seq_mean_token_mean``;
+            ``null``: the rule's authors' own.
     """
+
+    threshold_option: ClassVar[str | None] = None
+    """The rule's one threshold (``"cap"``, ``"clip"``, ``"c"``...): checked finite and > 0, logged as
+    ``correction/eps`` at every update; None for a rule without."""
+
+    default_aggregation: ClassVar[O.Aggregation] = "seq_sum_over_T"
+    """The aggregation its authors use, taken when ``aggregation`` is None."""
 
     needs_grad_norms: ClassVar[bool] = False
     """The rule reads ``PolicyTerms.grad_norms_sq``; the module then computes them (costly: one extra backward per
     trajectory), so only rules that need them ask."""
 
-    threshold_option: ClassVar[str | None] = None
-    """The option logged as ``correction/eps`` at every update (``"clip"``, ``"c"``...); None for a rule without."""
-
-    def __init__(self, aggregation: O.Aggregation) -> None:
-        self.aggregation = aggregation
+    def __init__(self, aggregation: O.Aggregation | None = None, **options: Any) -> None:
+        check_options(type(self).__name__, self.option_problems(aggregation=aggregation, **options))
+        self.aggregation = aggregation or self.default_aggregation
+        for name, value in options.items():
+            setattr(self, name, value)
 
     def __repr__(self) -> str:
-        """``GMC(cap=0.28, aggregation='seq_sum_over_T')``: the class and its plain options (how hparams show it)."""
+        """``GMC(aggregation='seq_sum_over_T', cap=0.28)``: the class and its plain options (how hparams show it)."""
         options = {k: v for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, (int, float, str))}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
 
-    @abstractmethod
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
-        """The per-token loss and diagnostics of one micro-batch."""
+    @classmethod
+    def option_problems(cls, aggregation: str | None = None, **options: Any) -> list[str]:
+        """Every problem with the options, one line each, named like the init args.
+
+        The threshold must be finite and > 0, and the aggregation one of :data:`AGGREGATIONS`; a rule with further
+        options extends this.
+        """
+        threshold = options.get(cls.threshold_option) if cls.threshold_option is not None else None
+        problems = [] if threshold is None else positive_problem(str(cls.threshold_option), threshold)
+        return problems + aggregation_problem(aggregation)
 
     @property
     def threshold(self) -> float | None:
         """This update's threshold, logged as ``correction/eps``: the value of :attr:`threshold_option`."""
         return None if self.threshold_option is None else getattr(self, self.threshold_option)
+
+    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+        """The per-token loss and diagnostics of one micro-batch, from the rule's three choices below."""
+        log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
+        advantages = self.advantages(terms, log_rho).detach()  # (n,)
+        coefficients = self.coefficients(terms, log_rho).detach()  # (n,)
+        token_loss, extra = self.token_loss(terms, coefficients, advantages)  # (n, L)
+        return CorrectionOutput(token_loss, log_rho, coefficients, advantages, extra)
+
+    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        """``(n,)`` advantages: leave-one-out (the paper's, for TIC and GMC) unless the rule chooses others."""
+        del log_rho
+        return O.leave_one_out_advantages(terms.rewards, terms.group_size)
+
+    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        """``(n,)`` per-trajectory coefficients ``c_i`` (a token-level rule's: the ratio it reports); ``rho_i`` here."""
+        del terms
+        return O.is_coefficients(log_rho)
+
+    def token_loss(
+        self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(n, L)`` loss and detached extras to log: the surrogate ``-sg(c_i A_i) log pi_theta(y_i)`` by default."""
+        return O.surrogate_token_loss(coefficients * advantages, terms.token_logprobs, terms.mask), {}
 
     def begin_update(self, delays: Tensor, total_updates: int) -> None:
         """Called once per update, in order, before its loss, with the ``(n,)`` delays of the whole batch.
@@ -149,15 +183,10 @@ class Correction(ABC):
         """Restore :meth:`state_dict`."""
         del state
 
-    @staticmethod
-    def option_problems(aggregation: str | None) -> list[str]:
-        """Every problem with the options, one line each, named like the init args."""
-        return aggregation_problem(aggregation)
-
 
 def trajectory_output(
     terms: PolicyTerms, coefficients: Tensor, advantages: Tensor, log_rho: Tensor
 ) -> CorrectionOutput:
-    """The output of a trajectory-level rule: surrogate ``-sg(c_i A_i) log pi_theta(y_i)`` per token."""
+    """A trajectory-level rule's output, for a rule that writes its own ``__call__``: the surrogate per token."""
     loss = O.surrogate_token_loss(coefficients * advantages, terms.token_logprobs, terms.mask)  # (n, L)
     return CorrectionOutput(loss, log_rho.detach(), coefficients.detach(), advantages.detach())

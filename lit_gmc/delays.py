@@ -25,11 +25,8 @@ class RunningDelayMoments:
     def update(self, delays: Tensor) -> None:
         """Add one update whose trajectories have ``delays`` (any shape, non-negative).
 
-        The means are taken on Python floats with correctly rounded sums (``math.fsum``): an update has a few
-        dozen delays, for which three float64 torch reductions cost more in dispatch than in arithmetic. For
-        integer delays whose fourth powers sum below 2**53 (delays up to 1,000 in updates of up to 9,000
-        trajectories) every power and sum is an exact integer, so the means are those the torch reductions gave,
-        bit for bit; beyond, these are the correctly rounded ones.
+        Python floats with correctly rounded sums (``math.fsum``): a few dozen delays cost less this way than in three
+        torch reductions, and integer delays whose fourth powers sum below 2**53 give exact means.
         """
         values = [float(v) for v in delays.detach().flatten().tolist()]
         if not values:

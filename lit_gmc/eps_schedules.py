@@ -1,25 +1,12 @@
 """Corollary 1's threshold schedule for GMC's cap (``--model.correction.cap_schedule corollary1``).
 
-The paper's experiments keep the cap constant (0.28). ``corollary1`` follows its theory instead: Corollary 1 gives
-the best threshold as ``eps* = Theta(tau_bar_4^(1/7) N^(-3/14))``, where ``tau_bar_4`` is the averaged fourth delay
-moment (eq. 11) and ``N`` the planned number of updates. The schedule plugs the running estimate of ``tau_bar_4``
-into that rate with a constant ``c`` and clips the result to ``[cap_min, cap_max]``:
+The paper's experiments keep the cap constant (0.28); ``corollary1`` follows its theory instead, plugging the running
+averaged fourth delay moment ``tau_bar_4`` (eq. 11, the current update included) into the optimal rate
+``eps* = Theta(tau_bar_4^(1/7) N^(-3/14))``: ``eps_n = clip(c * tau_bar_4(n)^(1/7) * N^(-3/14), cap_min, cap_max)``.
 
-    eps_n = clip(c * tau_bar_4(n)^(1/7) * N^(-3/14), cap_min, cap_max)
-
-``tau_bar_4(n)`` averages the updates ``0..n`` (the current one included), so the first update of a run with a
-filled delay queue already sees its own delay.
-
-It is an option of :class:`lit_gmc.rules.GMC` only. The rate minimises the paper's convergence bound for GMC, and
-the bias term in that bound is the mass the group cap removes,
-
-    (1/G) sum_i (rho_i - rho_hat_i) = max(0, rho_bar - (1 + eps)),
-
-the excess of the group's mean ratio over ``1 + eps``. TIC removes a different mass,
-``(1/G) sum_i rho_i 1{rho_i > 1 + eps}``: whole ratios of single trajectories above the cap, not the excess of a
-group mean. It is not bounded by the group-mass term, so the exponents ``1/7`` and ``-3/14`` obtained from that
-term need not hold for TIC, and this project has not derived the rate the TIC analysis would give; the other rules'
-thresholds are not that cap at all. So no other rule has the option, and the CLI refuses it by name.
+GMC's alone: the rate comes from a bound whose bias term is the mass the group cap removes, ``max(0, rho_bar - (1 +
+eps))``. TIC removes whole ratios above the cap, a mass that term does not bound, and no rate is derived for it here;
+the other rules' thresholds are not this cap at all.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from lit_gmc.distributed import gather_groups, gather_ragged, gather_rows, local
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, build_optimizer, build_scheduler
 from lit_gmc.resume import plain
-from lit_gmc.rules import GMC
+from lit_gmc.rules.gmc import GMC
 from lit_gmc.strategies import FSDP2Strategy  # noqa: F401  (registers --trainer.strategy fsdp2)
 
 DType = Literal["float32", "bfloat16", "float64"]
@@ -60,11 +60,9 @@ class GMCModule(pl.LightningModule):
 
     Args:
         actor: ``"tiny"`` (built in code), a transformers hub name, or a local path.
-        correction: The off-policy rule, a :class:`~lit_gmc.corrections.Correction` with its own options:
-            ``GMC`` (the paper's; ``--model.correction.cap``), ``TIC`` (``cap``), ``IS``, ``GRPO`` (``clip``),
-            ``VCPO`` (``c``), ``GAC`` (``clip``, ``cosine_low``, ``cosine_high``), ``A3PO`` (``clip``,
-            ``behavior_cap``), ``CISPO`` (``eps_high``), ``TIS`` (``C``), or a user's subclass by import path; each
-            also takes ``aggregation``, defaulting to its authors'. ``null``: ``GMC`` with the paper's options.
+        correction: The off-policy rule: a class of :mod:`lit_gmc.rules` by name (listed below as the known
+            subclasses), or a user's :class:`~lit_gmc.corrections.Correction` by import path, with its own options
+            (``--model.correction.help GMC``). ``null``: ``GMC`` with the paper's options.
         optimizer: Set with ``--optimizer`` (any ``torch.optim.Optimizer`` by import path, with its options, e.g.
             ``--optimizer torch.optim.SGD --optimizer.lr 0.01``); ``null``: torch's AdamW, lr 2e-4, betas
             (0.9, 0.999), no weight decay.

@@ -1,19 +1,20 @@
-"""Pure tensor math of the off-policy corrections (DESIGN.md §3): ratios, advantages, coefficients, losses.
+"""The rules' math as pure tensor functions, grouped by what they compute, whatever paper each comes from.
 
-Everything here is a function of tensors: no modules, no config objects, no logging, no device moves.
-Rows are group-major: row ``b * G + i`` is response ``i`` of group ``b``. Token tensors are ``(N, L)``
-and aligned with a boolean ``mask`` of real response tokens.
+Ratios, advantages, per-sample and per-token coefficients, token losses, aggregation, step rules, diagnostics
+(DESIGN.md §3 and §8). No modules, config objects, logging or device moves. Rows are group-major (row ``b * G + i``
+is response ``i`` of group ``b``); token tensors are ``(N, L)``, aligned with a boolean ``mask`` of real response
+tokens. ``log rho_i = sum_t (log pi_theta(y_it) - l_it)`` is the trajectory log-ratio against the behaviour
+log-probs ``l`` the engine recorded; ``T`` is the configured maximum completion length.
 
-Notation (the paper's): ``log rho_i = sum_t (log pi_theta(y_it) - l_it)`` is the trajectory log-ratio
-between the current policy and the behaviour log-probs ``l`` recorded by the engine; ``T`` is the
-configured maximum completion length; ``eps`` the threshold of the ``1 + eps`` cap.
-
-Where this code departs from the papers:
-- Ratios are never exponentiated unless bounded: GMC's rescaled ratio is formed as
-  ``exp(log rho_i - max(0, log rho_bar - log(1 + eps)))``, which is at most ``G (1 + eps)``.
-  Unclipped IS is the one exception, kept exact because it is the unstable reference.
-- The surrogate multiplies ``log pi_theta(y_i)`` by a detached coefficient, so its autograd gradient is
-  the estimator itself (eq. 4), not the gradient of a ratio objective.
+Where this code departs from the papers or fills their gaps:
+- Ratios are exponentiated only when bounded (GMC's is at most ``G (1 + eps)``); unclipped IS is the exception,
+  kept exact because it is the unstable reference.
+- The surrogate multiplies ``log pi_theta(y_i)`` by a detached coefficient, so its gradient is the estimator
+  itself (eq. 4), not the gradient of a ratio objective.
+- A group whose rewards tie gets advantages of exactly 0 (:func:`tied_groups`).
+- GAC's projection is a reconstruction (:func:`gac_shift`), not the authors' code.
+- A-3PO and TIS use vanilla GRPO's group-centred advantage, so each differs from GRPO only by its correction; TIS
+  is written in its policy-gradient form, the current policy standing for the trainer side.
 """
 
 from __future__ import annotations
@@ -25,11 +26,17 @@ import torch
 from torch import Tensor
 
 Aggregation = Literal["seq_sum_over_T", "token_mean", "seq_mean_token_mean"]
+MIN_REWARD_STD = 1e-8  # below this a group's rewards tie, and VCPO/CISPO skip the std division
+A3PO_BEHAVIOR_CAP = 5.0  # AReaL's behav_imp_weight_cap: A-3PO reports (and, when asked, masks) tokens above it
+LOG_RATIO_LIMIT = 80.0  # exp(80) ~ 5.5e34: a ratio reported or weighted past this bound stays finite in float32
 
 
 def _check_tokens(name: str, x: Tensor, mask: Tensor) -> None:
     if x.shape != mask.shape or x.dim() != 2:
         raise ValueError(f"{name} must be (N, L) like mask, got {tuple(x.shape)} and mask {tuple(mask.shape)}")
+
+
+# --- Ratios ------------------------------------------------------------------------------------------------------
 
 
 def per_group(x: Tensor, group_size: int, name: str = "tensor") -> Tensor:
@@ -51,12 +58,20 @@ def log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -
     return sequence_logprob(token_logprobs, mask) - sequence_logprob(behavior_logprobs, mask)  # (N,)
 
 
+def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
+    """``log rho_bar_b = logsumexp_i(log rho_i) - log G``, overflow-free. Returns ``(B,)``."""
+    return torch.logsumexp(per_group(log_rho, group_size, "log_rho"), dim=-1) - math.log(group_size)  # (B,)
+
+
+# --- Advantages (constants: no gradient) -------------------------------------------------------------------------
+
+
 def tied_groups(grouped: Tensor) -> Tensor:
     """``(B, 1)``: True where every entry of a ``(B, G)`` group equals its first exactly (NaN never ties).
 
-    A tied group's advantages are 0 in exact arithmetic, but its rounded sum or mean is generally not ``G r``
-    or ``r`` (``(0.7 + 0.7 + 0.7) / 3 != 0.7`` in float32), so ``r - mean`` comes out a few ulps off zero and
-    an all-tied batch would still move the weights. The advantage functions therefore set tied groups to 0.
+    A tied group's advantages are 0 in exact arithmetic, but its rounded mean generally is not ``r``
+    (``(0.7 + 0.7 + 0.7) / 3 != 0.7`` in float32), and an all-tied batch would still move the weights; the
+    advantage functions set tied groups to 0.
     """
     return (grouped == grouped[:, :1]).all(-1, keepdim=True)  # (B, 1)
 
@@ -71,27 +86,56 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def group_centered_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    """``A_i = r_i - mean_j r_j`` (vanilla GRPO as the paper runs it: centred, not std-normalised).
-
-    Returns ``(N,)``; ties give exactly 0 (see :func:`tied_groups`).
-    """
+    """``A_i = r_i - mean_j r_j`` (vanilla GRPO as the paper runs it: centred, not std-normalised). ``(N,)``."""
     r = per_group(rewards, group_size, "rewards")  # (B, G)
     return (r - r.mean(-1, keepdim=True)).masked_fill(tied_groups(r), 0.0).reshape(-1)  # (N,)
 
 
-def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
-    """``log rho_bar_b = logsumexp_i(log rho_i) - log G``, overflow-free. Returns ``(B,)``."""
-    return torch.logsumexp(per_group(log_rho, group_size, "log_rho"), dim=-1) - math.log(group_size)  # (B,)
+def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: int) -> Tensor:
+    """``A_i = (r_i - b_g) / sigma_g`` with the population std of the group's rewards (VCPO, CISPO). ``(N,)``.
+
+    A tied group gets exactly 0: rounding can leave ``b_g`` and ``sigma_g`` a few ulps off the tie, and the
+    division would blow ``~1e-8 / ~1e-8`` up to ``+-1``. Where ``sigma_g <= 1e-8`` but the rewards differ, the
+    division is skipped: ``r_i - b_g``, never NaN.
+    """
+    r = per_group(rewards, group_size, "rewards")  # (B, G)
+    if baselines.shape != (r.shape[0],):
+        raise ValueError(f"baselines must be ({r.shape[0]},), one per group, got {tuple(baselines.shape)}")
+    std = r.std(-1, unbiased=False, keepdim=True)  # (B, 1)
+    centred = r - baselines[:, None]  # (B, G)
+    spread = std > MIN_REWARD_STD  # (B, 1)
+    adv = torch.where(spread, centred / std.clamp(min=MIN_REWARD_STD), centred)  # (B, G)
+    return adv.masked_fill(tied_groups(r), 0.0).reshape(-1)  # (N,)
+
+
+def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_size: int) -> Tensor:
+    """VCPO's per-group off-policy minimum-variance baseline ``b* = sum_i W_i r_i / sum_i W_i``. Returns ``(B,)``.
+
+    ``W_i = w_i^2 ||grad log pi_theta(y_i)||^2`` with the *unclipped* sequence ratio ``w_i = exp(log_w_i)``,
+    normalised in log space so that a huge ratio cannot overflow. A group whose gradient norms are all zero falls
+    back to its mean reward; a group whose rewards tie gets that reward, so ``r_i - b* = 0`` exactly.
+    """
+    lw = per_group(log_w.detach(), group_size, "log_w")  # (B, G)
+    norms = per_group(grad_norms_sq.detach().to(lw.dtype), group_size, "grad_norms_sq")  # (B, G)
+    if (norms < 0).any():
+        raise ValueError(f"grad_norms_sq must be >= 0, got min {norms.min().item()}")
+    log_weight = 2.0 * lw + torch.log(norms)  # (B, G), -inf where the norm is 0
+    dead = torch.isneginf(log_weight).all(-1, keepdim=True)  # (B, 1)
+    log_weight = torch.where(dead, torch.zeros_like(log_weight), log_weight)  # (B, G)
+    r = per_group(rewards, group_size, "rewards").to(lw.dtype)  # (B, G)
+    weighted = (torch.softmax(log_weight, dim=-1) * r).sum(-1)  # (B,)
+    return torch.where(tied_groups(r)[:, 0], r[:, 0], weighted)  # (B,)
+
+
+# --- Per-sample coefficients (detached) --------------------------------------------------------------------------
 
 
 def gmc_coefficients(log_rho: Tensor, group_size: int, eps: float) -> Tensor:
-    """Group-mass-capped ratios (eq. 9, 12): ``rho_hat_i = rho_i / max(1, rho_bar / (1 + eps))``.
+    """Group-mass-capped ratios (eq. 9, 12): ``rho_hat_i = rho_i / max(1, rho_bar / (1 + eps))``. ``(N,)``.
 
-    In log space ``log rho_hat_i = log rho_i - max(0, log rho_bar - log(1 + eps))``, which equals
-    ``min(log rho_i, log_softmax_i(log rho) + log(G (1 + eps)))``: the second form never subtracts two huge
-    numbers, so it stays exact for log-ratios of any size. The result is detached, because the group
-    factor is a constant of the estimator (Remark 7), and bounded by ``G (1 + eps)``. The group mean of
-    ``rho_hat`` is ``min(rho_bar, 1 + eps)``. Returns ``(N,)``.
+    Formed as ``min(log rho_i, log_softmax_i(log rho) + log(G (1 + eps)))``, equal to ``log rho_i - max(0,
+    log rho_bar - log(1 + eps))`` but never subtracting two huge numbers. Detached, because the group factor is a
+    constant of the estimator (Remark 7); bounded by ``G (1 + eps)``; the group mean is ``min(rho_bar, 1 + eps)``.
     """
     log_rho = per_group(log_rho.detach(), group_size, "log_rho")  # (B, G)
     capped = torch.log_softmax(log_rho, dim=-1) + math.log(group_size * (1.0 + eps))  # (B, G)
@@ -111,6 +155,54 @@ def is_coefficients(log_rho: Tensor) -> Tensor:
     return torch.exp(log_rho.detach())  # (N,)
 
 
+def truncated_coefficients(log_rho: Tensor, cap: float) -> Tensor:
+    """Truncated trajectory ratios ``min(rho_i, cap)`` (VCPO's ``min(w_i, c)``). Returns ``(N,)``."""
+    return torch.exp(log_rho.detach().clamp(max=math.log(cap)))  # (N,)
+
+
+def trajectory_ratio(log_rho: Tensor) -> Tensor:
+    """``rho_i`` as a token-level rule reports it (it has no trajectory weight of its own), finite in float32."""
+    return torch.exp(log_rho.detach().clamp(max=LOG_RATIO_LIMIT))  # (N,)
+
+
+def a3po_alpha(delays: Tensor) -> Tensor:
+    """A-3PO's interpolation weight ``alpha = 1 / max(1, tau)`` per row. Returns ``(n,)`` float64."""
+    if (delays < 0).any():
+        raise ValueError(f"delays must be >= 0, got min {int(delays.min())}")
+    return 1.0 / delays.clamp(min=1).double()
+
+
+def loglinear_proximal_logprobs(token_logprobs: Tensor, behavior_logprobs: Tensor, alpha: Tensor) -> Tensor:
+    """``log pi_prox = alpha l + (1 - alpha) sg(log pi_theta)`` per token (AReaL's ``loglinear``). ``(n, L)``.
+
+    With ``alpha = 1`` this is ``l`` exactly (``0 * x`` adds nothing), so A-3PO reduces to PPO-clip bit for bit.
+    """
+    a = alpha.to(token_logprobs.dtype)[:, None]  # (n, 1)
+    return a * behavior_logprobs + (1.0 - a) * token_logprobs.detach()  # (n, L)
+
+
+def a3po_behavior_weight(log_weight: Tensor, mask: Tensor, cap: float | None) -> tuple[Tensor, Tensor]:
+    """A-3PO's per-token factor ``pi_prox / pi_b`` from ``log_weight = log pi_prox - l``: unclipped, or masked.
+
+    Unclipped (``cap=None``, as the seed paper states A-3PO), its log is clamped at 80 only so that float32 cannot
+    overflow (``inf * 0`` would turn a zero-advantage token into NaN). With ``cap``, tokens above it get weight 0
+    (AReaL's ``behav_imp_weight_cap``: masked, not clamped). Padding gets 0 either way.
+
+    Returns:
+        The ``(n, L)`` weights and the ``(n, L)`` mask of the real tokens kept.
+    """
+    if log_weight.shape != mask.shape or log_weight.dim() != 2:
+        raise ValueError(f"log_weight must be (n, L) like mask, got {tuple(log_weight.shape)} and {tuple(mask.shape)}")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"the behaviour-weight cap must be > 0, got {cap}")
+    kept = mask if cap is None else mask & (log_weight <= math.log(cap))  # (n, L)
+    weight = torch.exp(log_weight.clamp(max=LOG_RATIO_LIMIT)).masked_fill(~kept, 0.0)  # (n, L)
+    return weight, kept
+
+
+# --- Token losses ------------------------------------------------------------------------------------------------
+
+
 def surrogate_token_loss(coef_times_adv: Tensor, token_logprobs: Tensor, mask: Tensor) -> Tensor:
     """Per-token surrogate ``-sg(c_i A_i) log pi_theta(y_it)``, ``(N, L)`` with zeros on padding.
 
@@ -124,20 +216,38 @@ def surrogate_token_loss(coef_times_adv: Tensor, token_logprobs: Tensor, mask: T
 def ppo_clip_token_loss(
     token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, eps: float
 ) -> Tensor:
-    """Two-sided PPO clip on the token ratio (vanilla GRPO, Shao et al. 2024).
+    """Two-sided PPO clip on the token ratio (vanilla GRPO, Shao et al. 2024). ``(N, L)``, zeros on padding.
 
-    ``loss_t = -min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)`` with ``r_t = exp(log pi_theta - l_t)``; the
-    gradient flows through ``r_t``. The log-ratio is clamped at 80 before exponentiating: above that the
-    clipped branch is active for positive advantages and the loss is already astronomically large for
-    negative ones. Returns ``(N, L)`` with zeros on padding.
+    ``loss_t = -min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)`` with ``r_t = exp(log pi_theta - l_t)``; the gradient
+    flows through ``r_t``. The log-ratio is clamped at 80: above it the clipped branch is active for positive
+    advantages, and the loss is already astronomically large for negative ones.
     """
     _check_tokens("behavior_logprobs", behavior_logprobs, mask)
-    log_r = (token_logprobs - behavior_logprobs).masked_fill(~mask, 0.0).clamp(max=80.0)  # (N, L)
+    log_r = (token_logprobs - behavior_logprobs).masked_fill(~mask, 0.0).clamp(max=LOG_RATIO_LIMIT)  # (N, L)
     ratio = torch.exp(log_r)  # (N, L)
     adv = advantages.detach()[:, None]  # (N, 1)
     unclipped = ratio * adv  # (N, L)
     clipped = ratio.clamp(1.0 - eps, 1.0 + eps) * adv  # (N, L)
     return (-torch.minimum(unclipped, clipped)).masked_fill(~mask, 0.0)  # (N, L)
+
+
+def truncated_token_ratio_loss(
+    token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, cap: float
+) -> tuple[Tensor, Tensor]:
+    """Per token ``-sg(min(r_t, cap) A_i) log pi_theta(y_t)`` with ``r_t = exp(log pi_theta(y_t) - l_t)``.
+
+    The shared form of CISPO and TIS. Returns the ``(n, L)`` loss (zeros on padding) and the ``(n, L)``
+    mask of real tokens whose ratio was truncated.
+    """
+    if not cap > 0:
+        raise ValueError(f"the ratio cap must be > 0, got {cap}")
+    log_r = (token_logprobs.detach() - behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L)
+    weight = torch.exp(log_r.clamp(max=math.log(cap)))  # (n, L) min(r, cap)
+    coef = (weight * advantages.detach()[:, None]).detach()  # (n, L)
+    return (-coef * token_logprobs).masked_fill(~mask, 0.0), (log_r > math.log(cap)) & mask
+
+
+# --- Aggregation -------------------------------------------------------------------------------------------------
 
 
 def aggregate_loss(
@@ -167,6 +277,62 @@ def aggregate_loss(
     raise ValueError(f"unknown aggregation {mode!r}; expected one of seq_sum_over_T, token_mean, seq_mean_token_mean")
 
 
+# --- Step rules (VCPO's step size, GAC's projection) --------------------------------------------------------------
+
+
+def ess_step_factor(log_w: Tensor) -> Tensor:
+    """VCPO's step-size factor ``sqrt(min(1, ESS / n))`` with ``ESS = (sum w)^2 / sum w^2`` over all ``n`` rows.
+
+    ``w`` is the unclipped sequence ratio, taken in log space (float64). Returns a 0-dim tensor in
+    ``[1/sqrt(n), 1]``.
+    """
+    lw = log_w.detach().double().reshape(-1)  # (n,)
+    if lw.numel() == 0:
+        raise ValueError("ess_step_factor needs at least one log-ratio")
+    ess = torch.exp(2.0 * torch.logsumexp(lw, 0) - torch.logsumexp(2.0 * lw, 0))
+    return torch.sqrt((ess / lw.numel()).clamp(max=1.0))
+
+
+def gac_shift(
+    dot: float, norm_sq: float, prev_norm_sq: float, low: float = 0.05, high: float = 0.30
+) -> tuple[float, float]:
+    """GAC's projection as a multiple of the previous gradient, ``g' = g - shift * g_prev``: ``(cosine, shift)``.
+
+    RECONSTRUCTION (DESIGN.md §8): the exact rule of Xu et al. 2026 was not public when the design was
+    written. With ``c = cos(g, g_prev)``:
+    - ``c <= low`` (0.05): unchanged (``shift = 0``);
+    - ``low < c <= high`` (0.30): the component along ``g_prev`` shrinks until ``cos(g', g_prev) = low``,
+      the orthogonal part untouched;
+    - ``c > high``: the component along ``g_prev`` is removed (``cos(g', g_prev) = 0``).
+    Inputs are the global ``g . g_prev``, ``||g||^2`` and ``||g_prev||^2``; a zero gradient is left alone.
+    """
+    if norm_sq <= 0.0 or prev_norm_sq <= 0.0:
+        return 0.0, 0.0
+    cosine = dot / math.sqrt(norm_sq * prev_norm_sq)
+    if cosine <= low:
+        return cosine, 0.0
+    along = dot / prev_norm_sq  # g = along * g_prev + g_perp
+    if cosine > high:
+        return cosine, along
+    perp = math.sqrt(max(norm_sq - dot * along, 0.0))  # ||g_perp||
+    # Keep a component t * g_prev with t ||g_prev|| / sqrt(t^2 ||g_prev||^2 + perp^2) = low.
+    kept = low * perp / math.sqrt((1.0 - low * low) * prev_norm_sq)
+    return cosine, along - kept
+
+
+def gradient_dot_and_norms(g: Tensor, prev: Tensor | None) -> Tensor:
+    """``(g . prev, ||g||^2, ||prev||^2)`` of one tensor pair as float64; a missing ``prev`` counts as zero."""
+    a = g.to(torch.promote_types(g.dtype, torch.float32))  # bf16 gradients are summed in float32
+    if prev is None:
+        zero = a.new_zeros(())
+        return torch.stack([zero, a.square().sum(), zero]).double()
+    b = prev.to(a.dtype)
+    return torch.stack([(a * b).sum(), a.square().sum(), b.square().sum()]).double()
+
+
+# --- Diagnostics (detached) --------------------------------------------------------------------------------------
+
+
 def group_ess(log_rho: Tensor, group_size: int) -> Tensor:
     """Per-group effective sample size ``(sum rho)^2 / sum rho^2`` in ``[1, G]``, in log space. ``(B,)``."""
     lr = per_group(log_rho.detach().double(), group_size, "log_rho")  # (B, G)
@@ -176,18 +342,21 @@ def group_ess(log_rho: Tensor, group_size: int) -> Tensor:
 def removed_mass(log_rho: Tensor, coefficients: Tensor, group_size: int) -> Tensor:
     """Importance mass the correction removed, ``(1/G) sum_i (rho_i - c_i)`` (the bias bound of eq. 7). ``(B,)``.
 
-    Evaluated and returned in float64 with the log-ratio capped at 700, so that a diverged ratio reads as a
-    huge number rather than inf.
+    In float64 with the log-ratio capped at 700, so that a diverged ratio reads as a huge number rather than inf.
     """
     rho = torch.exp(log_rho.detach().double().clamp(max=700.0))  # (N,)
     return per_group(rho - coefficients.detach().double(), group_size, "coefficients").mean(-1)  # (B,)
 
 
+def token_fraction(selected: Tensor, mask: Tensor) -> Tensor:
+    """The share of real tokens (``mask``) that ``selected`` marks, 0-dim; 0 for a batch without tokens."""
+    return selected.sum() / mask.sum().clamp(min=1)
+
+
 def token_entropy(logprobs: Tensor) -> Tensor:
     """Entropy ``H = -sum_v p_v log p_v`` of each row of normalised log-probs ``(..., V)``. Returns ``(...)``.
 
-    Takes the log-softmax the loss computes anyway, so the entropy costs one ``exp`` and one product over the
-    vocabulary: at Qwen3's V = 151,936 this halves the time of ``logsumexp(z) - sum softmax(z) z`` from the logits
-    (0.43 s against 0.81 s for 4 x 192 positions on 2 cores) and is closer to the float64 value in float32.
+    From the log-softmax the loss computes anyway: one ``exp`` and one product over the vocabulary (timing in
+    docs/performance.md).
     """
     return -(logprobs.exp() * logprobs).sum(-1)  # (...)

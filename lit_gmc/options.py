@@ -33,7 +33,9 @@ def component_problems(cls: type, init_args: Mapping[str, Any], flag: str) -> li
     }
     values = {**defaults, **dict(init_args)}
     parameters = inspect.signature(check).parameters
-    if any(p.default is p.empty and name not in values for name, p in parameters.items()):
+    named = {name: p for name, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if any(p.default is p.empty and name not in values for name, p in named.items()):
         return []  # a subclass with other init args: it validates itself when built
-    problems = check(**{name: values[name] for name in parameters if name in values})
+    takes_all = len(named) < len(parameters)  # a check with **options (a rule's): every init arg
+    problems = check(**(values if takes_all else {name: values[name] for name in named if name in values}))
     return [f"{flag}.{problem}" for problem in problems]

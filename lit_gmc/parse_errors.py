@@ -57,7 +57,8 @@ def foreign_option(message: str) -> tuple[str, str] | None:
         return None
     flag, name = f"--{key[1]}.{option[1]}", class_path[1].rpartition(".")[2]
     with contextlib.suppress(ImportError, AttributeError, ValueError):
-        accepted = [p for p in inspect.signature(resolve_name(class_path[1])).parameters if p not in ("self", "args")]
+        parameters = inspect.signature(resolve_name(class_path[1])).parameters.values()
+        accepted = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         name += f" has no option {option[1]} (its options: {', '.join(accepted) or 'none'})"
     if not name.endswith(")"):
         name += f" has no option {option[1]}"
@@ -74,7 +75,7 @@ def unknown_rule(message: str) -> tuple[str, str] | None:
     if bad is None or bad[0] != "--model.correction":
         return None
     value = bad[1].removeprefix("--model.correction=").split(":", 1)[0]
-    rules = ", ".join(sorted(lit_gmc.rules.__all__))  # the built-in ones (a user's are named by import path)
+    rules = ", ".join(lit_gmc.rules.registered())  # the built-in ones (a user's are named by import path)
     return bad[0], f"--model.correction={value} is not a rule: one of {rules}, or a Correction subclass's import path"
 
 

@@ -106,9 +106,9 @@ def expand_grid(args: argparse.Namespace) -> list[RunSpec]:
 
 def rule_class_path(method: str) -> str:
     """The import path of the rule a ``--methods`` entry names (``gmc`` or ``GMC``: ``lit_gmc.rules.GMC``)."""
-    from lit_gmc.rules import __all__ as rules
+    from lit_gmc.rules import registered
 
-    names = {name.lower(): name for name in rules}
+    names = {name.lower(): name for name in registered()}
     return f"lit_gmc.rules.{names[method.lower()]}"
 
 
@@ -422,9 +422,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             f"{args.checkpoint_every} (the final weights must be checkpointed)")  # fmt: skip
         problems += [f"--delays: {d} must be >= 0" for d in args.delays if d < 0]
         problems += [f"--group-sizes: {g} must be >= 2" for g in args.group_sizes if g < 2]
-        from lit_gmc.rules import __all__ as builtin_rules
+        from lit_gmc.rules import registered
 
-        rules = {name.lower() for name in builtin_rules}
+        rules = {name.lower() for name in registered()}
         problems += [
             f"--methods: {m} is not one of {' '.join(sorted(rules))}" for m in args.methods if m.lower() not in rules
         ]

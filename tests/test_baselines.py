@@ -20,18 +20,18 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_gmc import objectives as O
 from lit_gmc.actor import TinyRecipe, build_char_tokenizer, build_tiny_model
-from lit_gmc.baselines import (
+from lit_gmc.batch import RolloutGroup, collate_groups
+from lit_gmc.callbacks.weight_sync import WeightSync
+from lit_gmc.corrections import PolicyTerms
+from lit_gmc.logprobs import response_logprobs
+from lit_gmc.module import GMCModule
+from lit_gmc.objectives import (
     a3po_alpha,
     a3po_behavior_weight,
     ess_step_factor,
     gac_shift,
     vcpo_baseline,
 )
-from lit_gmc.batch import RolloutGroup, collate_groups
-from lit_gmc.callbacks.weight_sync import WeightSync
-from lit_gmc.corrections import PolicyTerms
-from lit_gmc.logprobs import response_logprobs
-from lit_gmc.module import GMCModule
 from lit_gmc.rules import A3PO, CISPO, GAC, GMC, TIS, VCPO
 
 BASELINES = ("vcpo", "gac", "a3po", "a3po_capped", "cispo", "tis")
@@ -46,6 +46,8 @@ def old_lr_multiplier(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
 T_MAX = 6
 G = 3
 REWARDS = ([1.0, 0.0, 0.5], [0.2, 0.9, 0.0])
@@ -585,16 +587,19 @@ RULE_METRICS = {"vcpo": "vcpo/lr_factor", "gac": "gac/cosine", "a3po": "a3po/ove
                 "tis": "tis/truncated_fraction"}  # fmt: skip
 
 
+STEPS = 8  # past the delay-2 queue's fill (from step 2 on every delay is 2), with 6 steady updates
+
+
 @pytest.mark.parametrize("name", BASELINES)
 def test_tiny_fit_with_fixed_delay_gives_finite_loss(name, tmp_path):
-    trainer, module, rec = fit(name, 20, tmp_path)
-    assert trainer.global_step == 20 and len(rec.losses) == 20
+    trainer, module, rec = fit(name, STEPS, tmp_path)
+    assert trainer.global_step == STEPS and len(rec.losses) == STEPS
     assert all(math.isfinite(x) for x in rec.losses)
     assert RULE_METRICS[name] in rec.metrics[-1]
     assert rec.metrics[-1]["delay/mean"] == 2.0
     if name == "vcpo":  # the step used the scheduled lr times this step's ESS factor, and only that step
         for step, (lr, metrics) in enumerate(zip(rec.step_lrs, rec.metrics, strict=True)):
-            scheduled = 2e-4 * old_lr_multiplier(step, 20, 0)  # the default AdamW's lr
+            scheduled = 2e-4 * old_lr_multiplier(step, STEPS, 0)  # the default AdamW's lr
             assert lr == pytest.approx(scheduled * metrics["vcpo/lr_factor"], rel=1e-6)
 
 

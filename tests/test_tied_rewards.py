@@ -13,8 +13,8 @@ import torch
 
 import lit_gmc.rules
 from lit_gmc import objectives as O
-from lit_gmc.baselines import MIN_REWARD_STD, group_normalized_advantages, vcpo_baseline
 from lit_gmc.corrections import PolicyTerms
+from lit_gmc.objectives import MIN_REWARD_STD, group_normalized_advantages, vcpo_baseline
 
 GROUP_SIZES = (2, 3, 5, 8)
 DTYPES = (torch.float32, torch.float64)
@@ -129,7 +129,7 @@ def test_nan_rewards_are_never_ties():
 # --- every rule of the registry -----------------------------------------------------------------
 
 
-RULES = {name: getattr(lit_gmc.rules, name)() for name in lit_gmc.rules.__all__}  # the built-in rules
+RULES = {name: rule() for name, rule in lit_gmc.rules.registered().items()}  # the built-in rules
 RULES["A3PO_capped"] = lit_gmc.rules.A3PO(behavior_cap=5.0)  # AReaL's masking of pi_prox / pi_b > 5
 
 

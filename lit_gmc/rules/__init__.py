@@ -1,18 +1,30 @@
-"""The off-policy rules, one class per file; importing this package registers them all.
+"""The off-policy rules, one class per file; a new rule is one new file here, and nothing else lists it.
 
-Each is a :class:`lit_gmc.corrections.Correction` subclass, chosen with ``--model.correction <ClassName>`` (or a
-``class_path``) and configured with its own options (``--model.correction.cap``, ``--model.correction.clip``, ...).
-A user's rule is a subclass in the user's own module, named by its import path.
+Every module of this package is imported, and each :class:`~lit_gmc.corrections.Correction` subclass it defines
+is a rule, reachable as ``lit_gmc.rules.<ClassName>`` and by its class name (``--model.correction <ClassName>``).
+:func:`registered` is the registry that ``--help``, the README's table of rules and the sweep read. A user's own
+rule is a subclass in the user's module, named by its import path.
 """
 
-from lit_gmc.rules.a3po import A3PO
-from lit_gmc.rules.cispo import CISPO
-from lit_gmc.rules.gac import GAC
-from lit_gmc.rules.gmc import GMC
-from lit_gmc.rules.grpo import GRPO
-from lit_gmc.rules.importance import IS
-from lit_gmc.rules.tic import TIC
-from lit_gmc.rules.tis import TIS
-from lit_gmc.rules.vcpo import VCPO
+from __future__ import annotations
 
-__all__ = ["A3PO", "CISPO", "GAC", "GMC", "GRPO", "IS", "TIC", "TIS", "VCPO"]
+import importlib
+import inspect
+import pkgutil
+
+from lit_gmc.corrections import Correction
+
+
+def registered() -> dict[str, type[Correction]]:
+    """The rules defined in this package's files, by class name in name order (importing any not imported yet)."""
+    rules: dict[str, type[Correction]] = {}
+    for module_info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and issubclass(value, Correction) and value.__module__ == module.__name__:
+                rules[name] = value
+    globals().update(rules)  # lit_gmc.rules.GMC: the class path configs and saved runs name
+    return dict(sorted(rules.items()))
+
+
+__all__ = list(registered())

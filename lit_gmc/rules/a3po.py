@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import math
 
-import torch
+from torch import Tensor
+from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.baselines import A3PO_BEHAVIOR_CAP, a3po_alpha, a3po_behavior_weight, loglinear_proximal_logprobs
-from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.options import check_options
+from lit_gmc.corrections import PolicyTerms, aggregation_problem, positive_problem
+from lit_gmc.rules.grpo import GRPO
 
 
-class A3PO(Correction):
-    """A-3PO; by default as the seed paper states it, the outer factor ``pi_prox / pi_b`` NOT clipped.
+class A3PO(GRPO):
+    """A-3PO: GRPO's PPO clip against a proximal policy, times ``pi_prox / pi_b`` (by default NOT clipped).
 
-    Per token, ``log pi_prox = alpha l + (1 - alpha) sg(log pi_theta)``
-    (:func:`~lit_gmc.baselines.loglinear_proximal_logprobs`) with ``alpha = 1 / max(1, tau)`` (``tau`` the group's
-    delay), ``r = exp(log pi_theta - log pi_prox)`` and
+    Per token, ``log pi_prox = alpha l + (1 - alpha) sg(log pi_theta)`` with ``alpha = 1 / max(1, tau)`` (``tau``
+    the group's delay), ``r = exp(log pi_theta - log pi_prox)`` and
 
         ``loss_t = -sg(pi_prox / pi_b) min(r A, clip(r, 1 - clip, 1 + clip) A)``.
 
     Its gradient on an unclipped token is ``-(pi_theta / pi_b) A grad log pi_theta``: the full, unbounded token
-    ratio, the factor the seed paper blames for A-3PO's collapse at 8B. Group-centred advantages. Logs
-    ``a3po/over_cap_fraction``, the share of real tokens with ``pi_prox / pi_b`` above ``behavior_cap`` (AReaL's 5
-    when unset, only reported).
+    ratio, the factor the seed paper blames for A-3PO's collapse at 8B. GRPO's advantages, and GRPO's loss exactly
+    when ``tau <= 1``. Logs ``a3po/over_cap_fraction``, the share of real tokens with ``pi_prox / pi_b`` above
+    ``behavior_cap`` (AReaL's 5 when unset, only reported).
 
     Args:
         clip: Two-sided PPO clip of the ratio to the proximal policy (0.2).
@@ -35,40 +34,38 @@ class A3PO(Correction):
             tokens).
     """
 
-    threshold_option = "clip"
+    default_aggregation = "token_mean"
 
     def __init__(
         self, clip: float = 0.2, behavior_cap: float | None = None, aggregation: O.Aggregation | None = None
     ) -> None:
-        check_options("A3PO", self.option_problems(clip, behavior_cap, aggregation))
-        super().__init__(aggregation or "token_mean")
-        self.clip, self.behavior_cap = clip, behavior_cap
+        super().__init__(clip, aggregation, behavior_cap=behavior_cap)
 
-    @staticmethod
-    def option_problems(clip: float, behavior_cap: float | None, aggregation: str | None) -> list[str]:
+    @classmethod
+    def option_problems(  # type: ignore[override]
+        cls, clip: float, behavior_cap: float | None, aggregation: str | None
+    ) -> list[str]:
         """Every problem with A-3PO's options, one line each."""
         capped = positive_problem("behavior_cap", behavior_cap) if behavior_cap is not None else []
         return positive_problem("clip", clip) + capped + aggregation_problem(aggregation)
 
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
-        """The decoupled PPO-clip loss against the proximal policy, weighted by ``pi_prox / pi_b``."""
+    @override
+    def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:
+        """The PPO-clip loss against the proximal policy, weighted by ``pi_prox / pi_b``."""
         mask, clip = terms.mask, self.clip
-        alpha = a3po_alpha(terms.delays)  # (n,)
-        log_prox = loglinear_proximal_logprobs(terms.token_logprobs, terms.behavior_logprobs, alpha)  # (n, L)
+        alpha = O.a3po_alpha(terms.delays)  # (n,)
+        log_prox = O.loglinear_proximal_logprobs(terms.token_logprobs, terms.behavior_logprobs, alpha)  # (n, L)
         log_weight = (log_prox - terms.behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L), detached
-        weight, kept = a3po_behavior_weight(log_weight, mask, self.behavior_cap)  # (n, L), (n, L)
-        adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
-        loss = weight * O.ppo_clip_token_loss(terms.token_logprobs, log_prox, mask, adv, clip)  # (n, L)
+        weight, kept = O.a3po_behavior_weight(log_weight, mask, self.behavior_cap)  # (n, L), (n, L)
+        loss = weight * O.ppo_clip_token_loss(terms.token_logprobs, log_prox, mask, advantages, clip)  # (n, L)
         log_r = (terms.token_logprobs.detach() - log_prox).masked_fill(~mask, 0.0)  # (n, L)
         floor = math.log1p(-clip) if clip < 1 else -math.inf  # a clip of 1 or more has no lower side
         clipped = ((log_r < floor) | (log_r > math.log1p(clip))) & kept  # (n, L)
-        reported_cap = A3PO_BEHAVIOR_CAP if self.behavior_cap is None else self.behavior_cap
+        reported_cap = O.A3PO_BEHAVIOR_CAP if self.behavior_cap is None else self.behavior_cap
         over_cap = mask & (log_weight > math.log(reported_cap))  # (n, L): masked when behavior_cap is set
-        tokens = mask.sum().clamp(min=1)
-        log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, mask).detach()  # (n,)
         extra = {
-            "a3po/over_cap_fraction": over_cap.sum() / tokens,
-            "a3po/clip_fraction": clipped.sum() / tokens,
+            "a3po/over_cap_fraction": O.token_fraction(over_cap, mask),
+            "a3po/clip_fraction": O.token_fraction(clipped, mask),
             "a3po/alpha_mean": alpha.mean(),
         }
-        return CorrectionOutput(loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), extra)
+        return loss, extra

@@ -8,31 +8,22 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.baselines import gac_shift, gradient_dot_and_norms
-from lit_gmc.corrections import Correction
 from lit_gmc.distributed import full_tensor, like, local_part, rank_and_world, sum_across
-from lit_gmc.options import check_options
 from lit_gmc.rules.grpo import GRPO
 
 
 class GAC(GRPO):
     """GAC: GRPO's loss, and the full gradient projected against the previous update's before clipping and the step.
 
-    RECONSTRUCTION (DESIGN.md §8; :func:`~lit_gmc.baselines.gac_shift`): with ``c = cos(g, g_prev)``, unchanged
+    RECONSTRUCTION (DESIGN.md §8; :func:`~lit_gmc.objectives.gac_shift`): with ``c = cos(g, g_prev)``, unchanged
     for ``c <= cosine_low``; the component along ``g_prev`` shrunk until the cosine is ``cosine_low`` for
-    ``cosine_low < c <= cosine_high``; removed above.
-
-    ``g_prev`` is the previous step's raw gradient (before its own projection): the cosine between consecutive
-    policy gradients is the signal the paper monitors, and measuring it against an already-projected update would
-    make it depend on the previous projection. It is a full copy of the gradient, saved in checkpoints, so a
-    resumed run projects exactly as an uninterrupted one.
-
-    FSDP2: each rank holds shards of every gradient, so the three sums are taken over the local shards and summed
-    over ranks before :func:`~lit_gmc.baselines.gac_shift`, which keeps the cosine global; the shift is then
-    applied shard by shard. Under DDP the gradients are already reduced and replicated. Checkpoints hold the whole
-    previous gradient (gathered to rank 0, which writes them).
+    ``cosine_low < c <= cosine_high``; removed above. ``g_prev`` is the previous step's raw gradient (before its own
+    projection, so the cosine the paper monitors never depends on the previous projection), kept whole in
+    checkpoints so that a resumed run projects exactly as an uninterrupted one. Under FSDP2 the sums behind the
+    cosine are taken over the local shards and then over ranks, so the cosine is global.
 
     Args:
         clip: Two-sided PPO clip of the token ratio (0.2).
@@ -48,21 +39,21 @@ class GAC(GRPO):
         cosine_high: float = 0.30,
         aggregation: O.Aggregation | None = None,
     ) -> None:
-        check_options("GAC", self.option_problems(clip, cosine_low, cosine_high, aggregation))
-        # Not GRPO.__init__: its check would run again, without the cosines.
-        Correction.__init__(self, aggregation or "seq_mean_token_mean")
-        self.clip, self.cosine_low, self.cosine_high = clip, cosine_low, cosine_high
+        super().__init__(clip, aggregation, cosine_low=cosine_low, cosine_high=cosine_high)
         self.previous: list[Tensor | None] | None = None
 
-    @staticmethod
-    def option_problems(clip: float, cosine_low: float, cosine_high: float, aggregation: str | None) -> list[str]:
+    @classmethod
+    def option_problems(  # type: ignore[override]
+        cls, clip: float, cosine_low: float, cosine_high: float, aggregation: str | None
+    ) -> list[str]:
         """Every problem with GAC's options, one line each."""
-        problems = GRPO.option_problems(clip, aggregation)
+        problems = super().option_problems(aggregation, clip=clip)
         if not -1.0 < cosine_low < cosine_high < 1.0:
             problems.append(f"cosine_low={cosine_low}, cosine_high={cosine_high} must satisfy -1 < cosine_low < "
                             "cosine_high < 1")  # fmt: skip
         return problems
 
+    @override
     def before_step(
         self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]
     ) -> dict[str, float]:
@@ -79,12 +70,12 @@ class GAC(GRPO):
         pairs = [(g, None if prev is None else like(g, prev)) for g, prev in zip(grads, previous, strict=True)]
         pairs = [(g, prev) for g, prev in pairs if g is not None]
         # Sums over this rank's part of each gradient (g . g_prev, ||g||^2, ||g_prev||^2), then over ranks if sharded.
-        parts = [gradient_dot_and_norms(local_part(g), None if p is None else local_part(p)) for g, p in pairs]
+        parts = [O.gradient_dot_and_norms(local_part(g), None if p is None else local_part(p)) for g, p in pairs]
         sums = torch.stack([p.to(parts[0].device) for p in parts]).sum(0) if parts else torch.zeros(3)  # (3,)
         if any(isinstance(g, DTensor) for g, _ in pairs):
             sums = sum_across(sums)
         dot, norm_sq, prev_sq = sums.tolist()
-        cosine, shift = gac_shift(dot, norm_sq, prev_sq, self.cosine_low, self.cosine_high)
+        cosine, shift = O.gac_shift(dot, norm_sq, prev_sq, self.cosine_low, self.cosine_high)
         if shift != 0.0:
             for g, prev in pairs:
                 if prev is not None:
@@ -93,6 +84,7 @@ class GAC(GRPO):
         projected = (dot - shift * prev_sq) / math.sqrt(new_sq * prev_sq) if new_sq > 0 and prev_sq > 0 else 0.0
         return {"gac/cosine": cosine, "gac/projected_cosine": projected, "gac/shift": shift}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The previous raw gradient (a list aligned with the parameters, or None before the first step).
 
@@ -109,6 +101,7 @@ class GAC(GRPO):
             previous = gathered
         return {"previous": previous}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; tensors move to the gradients' device when next used."""
         self.previous = state["previous"]

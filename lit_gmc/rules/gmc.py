@@ -5,26 +5,18 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from torch import Tensor
+from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import (
-    Correction,
-    CorrectionOutput,
-    PolicyTerms,
-    aggregation_problem,
-    positive_problem,
-    trajectory_output,
-)
+from lit_gmc.corrections import Correction, PolicyTerms, aggregation_problem, positive_problem
 from lit_gmc.delays import RunningDelayMoments
 from lit_gmc.eps_schedules import corollary1_eps, corollary1_problems
-from lit_gmc.options import check_options
 
 
 class GMC(Correction):
-    """GMC-GRPO: cap each group's mean ratio at ``1 + cap`` by one shared factor (the paper, eq. 9 and 12).
+    """GMC-GRPO: ``rho_hat_i = rho_i / max(1, rho_bar / (1 + cap))``, one constant factor per group (Remark 7).
 
-    ``rho_hat_i = rho_i / max(1, rho_bar / (1 + cap))`` with the factor treated as a constant (Remark 7),
-    leave-one-out advantages, surrogate ``-sg(rho_hat_i A_i) log pi_theta(y_i)``.
+    Leave-one-out advantages, the surrogate ``-sg(rho_hat_i A_i) log pi_theta(y_i)``.
 
     Args:
         cap: ``eps`` of the ``1 + eps`` cap on each group's mean ratio (the paper's 0.28); unused with
@@ -32,12 +24,13 @@ class GMC(Correction):
         cap_schedule: ``constant`` (``cap`` at every update) or ``corollary1``: ``eps_n = clip(cap_scale *
             tau_bar_4^(1/7) * N^(-3/14), cap_min, cap_max)`` from the running fourth delay moment and
             ``N = --trainer.max_steps`` (Corollary 1, derived for this cap; see :mod:`lit_gmc.eps_schedules`).
-            Logged as ``correction/eps``.
         cap_scale: ``c`` of ``corollary1``; 0.375 gives the paper's 0.28 at the tiny default (delay 8, 1,000 updates).
         cap_min: Lower clip of ``corollary1`` (on-policy data would otherwise get ``eps = 0``).
         cap_max: Upper clip of ``corollary1``.
         aggregation: Loss aggregation; ``null``: the paper's ``seq_sum_over_T`` (``1/(T B G)``).
     """
+
+    threshold_option = "cap"
 
     def __init__(
         self,
@@ -48,15 +41,13 @@ class GMC(Correction):
         cap_max: float = 2.0,
         aggregation: O.Aggregation | None = None,
     ) -> None:
-        check_options("GMC", self.option_problems(cap, cap_schedule, cap_scale, cap_min, cap_max, aggregation))
-        super().__init__(aggregation or "seq_sum_over_T")
-        self.cap, self.cap_schedule = cap, cap_schedule
-        self.cap_scale, self.cap_min, self.cap_max = cap_scale, cap_min, cap_max
+        super().__init__(aggregation, cap=cap, cap_schedule=cap_schedule, cap_scale=cap_scale, cap_min=cap_min,
+                         cap_max=cap_max)  # fmt: skip
         self.moments = RunningDelayMoments() if cap_schedule == "corollary1" else None
         self._current = cap  # this update's cap: `cap`, or corollary1's value set by begin_update
 
     @staticmethod
-    def option_problems(
+    def option_problems(  # type: ignore[override]
         cap: float, cap_schedule: str, cap_scale: float, cap_min: float, cap_max: float, aggregation: str | None
     ) -> list[str]:
         """Every problem with GMC's options, one line each."""
@@ -70,6 +61,7 @@ class GMC(Correction):
         """This update's cap."""
         return self._current
 
+    @override
     def begin_update(self, delays: Tensor, total_updates: int) -> None:
         """With ``corollary1``: add this update's delays to the running moments, then set its cap."""
         if self.moments is None:
@@ -80,17 +72,16 @@ class GMC(Correction):
         self.moments.update(delays)
         self._current = corollary1_eps(self.moments.tau4, total_updates, self.cap_scale, self.cap_min, self.cap_max)
 
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
-        """GMC's coefficients with this update's cap."""
-        log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask)  # (n,)
-        coef = O.gmc_coefficients(log_rho, terms.group_size, self._current)  # (n,)
-        adv = O.leave_one_out_advantages(terms.rewards, terms.group_size)  # (n,)
-        return trajectory_output(terms, coef, adv, log_rho)
+    @override
+    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.gmc_coefficients(log_rho, terms.group_size, self._current)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """``corollary1``'s running delay moments (nothing for a constant cap)."""
         return {} if self.moments is None else {"moments": self.moments.state_dict()}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         if self.moments is not None and "moments" in state:

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor
+from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.options import check_options
-
-
-def grpo_output(terms: PolicyTerms, clip: float) -> CorrectionOutput:
-    """GRPO's PPO-clip token loss with group-centred advantages (shared by :class:`GRPO` and GAC).
-
-    Dual clip off. The reported coefficient is the unclipped trajectory ratio, since the token clip has no
-    trajectory weight of its own.
-    """
-    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
-    adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
-    loss = O.ppo_clip_token_loss(terms.token_logprobs, terms.behavior_logprobs, terms.mask, adv, clip)  # (n, L)
-    ratio = torch.exp((terms.token_logprobs.detach() - terms.behavior_logprobs).clamp(max=80.0))  # (n, L)
-    clipped = ((ratio < 1.0 - clip) | (ratio > 1.0 + clip)) & terms.mask  # (n, L)
-    frac = clipped.sum() / terms.mask.sum().clamp(min=1)
-    return CorrectionOutput(
-        loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), {"grpo/clip_fraction": frac}
-    )
+from lit_gmc.corrections import Correction, PolicyTerms
 
 
 class GRPO(Correction):
     """Vanilla GRPO: ``loss_t = -min(r_t A, clip(r_t, 1 - clip, 1 + clip) A)``, advantage ``r_i - mean(r)``.
+
+    Dual clip off. The reported coefficient is the unclipped trajectory ratio: the token clip has no trajectory
+    weight of its own.
 
     Args:
         clip: Two-sided PPO clip of the token ratio (Shao et al.'s 0.2).
@@ -35,17 +24,25 @@ class GRPO(Correction):
     """
 
     threshold_option = "clip"
+    default_aggregation = "seq_mean_token_mean"
 
-    def __init__(self, clip: float = 0.2, aggregation: O.Aggregation | None = None) -> None:
-        check_options("GRPO", GRPO.option_problems(clip, aggregation))
-        super().__init__(aggregation or "seq_mean_token_mean")
-        self.clip = clip
+    def __init__(self, clip: float = 0.2, aggregation: O.Aggregation | None = None, **options: Any) -> None:
+        super().__init__(aggregation, clip=clip, **options)  # options: a subclass's own (GAC's cosines)
 
-    @staticmethod
-    def option_problems(clip: float, aggregation: str | None) -> list[str]:
-        """Every problem with the options, one line each."""
-        return positive_problem("clip", clip) + aggregation_problem(aggregation)
+    @override
+    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.group_centered_advantages(terms.rewards, terms.group_size)
 
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
-        """The PPO-clip token loss."""
-        return grpo_output(terms, self.clip)
+    @override
+    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.trajectory_ratio(log_rho)
+
+    @override
+    def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:
+        """The PPO-clip token loss, and the share of real tokens whose ratio is outside the clip."""
+        clip, mask = self.clip, terms.mask
+        loss = O.ppo_clip_token_loss(terms.token_logprobs, terms.behavior_logprobs, mask, advantages, clip)  # (n, L)
+        log_r = (terms.token_logprobs.detach() - terms.behavior_logprobs).clamp(max=O.LOG_RATIO_LIMIT)  # (n, L)
+        ratio = torch.exp(log_r)  # (n, L)
+        clipped = ((ratio < 1.0 - clip) | (ratio > 1.0 + clip)) & mask  # (n, L)
+        return loss, {"grpo/clip_fraction": O.token_fraction(clipped, mask)}

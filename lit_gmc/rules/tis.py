@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
+from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.baselines import truncated_token_ratio_loss
-from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.options import check_options
-
-
-def truncated_ratio_output(terms: PolicyTerms, cap: float, adv: Tensor, name: str) -> CorrectionOutput:
-    """The output of a truncated token-ratio rule (TIS, CISPO), logging ``<name>/truncated_fraction``."""
-    loss, truncated = truncated_token_ratio_loss(terms.token_logprobs, terms.behavior_logprobs, terms.mask, adv, cap)
-    log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
-    extra = {f"{name}/truncated_fraction": truncated.sum() / terms.mask.sum().clamp(min=1)}
-    return CorrectionOutput(loss, log_rho, torch.exp(log_rho.clamp(max=80.0)), adv.detach(), extra)
+from lit_gmc.corrections import Correction, PolicyTerms
 
 
 class TIS(Correction):
@@ -30,18 +20,23 @@ class TIS(Correction):
     """
 
     threshold_option = "C"
+    default_aggregation = "token_mean"
 
     def __init__(self, C: float = 2.0, aggregation: O.Aggregation | None = None) -> None:
-        check_options("TIS", self.option_problems(C, aggregation))
-        super().__init__(aggregation or "token_mean")
-        self.C = C
+        super().__init__(aggregation, C=C)
 
-    @staticmethod
-    def option_problems(C: float, aggregation: str | None) -> list[str]:
-        """Every problem with TIS's options, one line each."""
-        return positive_problem("C", C) + aggregation_problem(aggregation)
+    @override
+    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.group_centered_advantages(terms.rewards, terms.group_size)
 
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
-        """Truncated token ratios with group-centred advantages."""
-        adv = O.group_centered_advantages(terms.rewards, terms.group_size)  # (n,)
-        return truncated_ratio_output(terms, self.C, adv, "tis")
+    @override
+    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.trajectory_ratio(log_rho)
+
+    @override
+    def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:
+        """Truncated token ratios, and the share of real tokens truncated."""
+        loss, truncated = O.truncated_token_ratio_loss(
+            terms.token_logprobs, terms.behavior_logprobs, terms.mask, advantages, self.C
+        )  # (n, L), (n, L)
+        return loss, {"tis/truncated_fraction": O.token_fraction(truncated, terms.mask)}

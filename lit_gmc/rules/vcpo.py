@@ -7,21 +7,19 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.baselines import ess_step_factor, group_normalized_advantages, vcpo_baseline
-from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, aggregation_problem, positive_problem
-from lit_gmc.options import check_options
+from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
 
 
 class VCPO(Correction):
     """VCPO: truncated sequence ratio, off-policy minimum-variance baseline, and an ESS-scaled step size.
 
-    ``w_i = exp(sum_t (log pi_theta - l))``, coefficient ``min(w_i, c)`` (detached), advantage
-    ``(r_i - b*) / sigma_group`` with :func:`~lit_gmc.baselines.vcpo_baseline`, surrogate
-    ``-sg(min(w_i, c) A_i) log pi_theta(y_i)``. Needs each trajectory's gradient norm (the module computes it,
-    one backward per trajectory). Step rule: this step's learning rate is ``lr * sqrt(min(1, ESS / n))`` over the
-    update's ``n`` trajectories (unclipped ``w``), restored after the step.
+    Coefficient ``min(w_i, c)`` of ``w_i = exp(sum_t (log pi_theta - l))``, advantage ``(r_i - b*) / sigma_group``
+    with :func:`~lit_gmc.objectives.vcpo_baseline` (which needs each trajectory's gradient norm: the module runs one
+    backward per trajectory), the surrogate loss. Step rule: this step's learning rate is
+    ``lr * sqrt(min(1, ESS / n))`` over the update's ``n`` trajectories (unclipped ``w``), restored after the step.
 
     Args:
         c: Truncation of the sequence ratio (the authors' 8).
@@ -29,45 +27,48 @@ class VCPO(Correction):
     """
 
     threshold_option = "c"
+    default_aggregation = "seq_mean_token_mean"
     needs_grad_norms: ClassVar[bool] = True
 
     def __init__(self, c: float = 8.0, aggregation: O.Aggregation | None = None) -> None:
-        check_options("VCPO", self.option_problems(c, aggregation))
-        super().__init__(aggregation or "seq_mean_token_mean")
-        self.c = c
+        super().__init__(aggregation, c=c)
         self._saved_lrs: list[Any] | None = None
 
-    @staticmethod
-    def option_problems(c: float, aggregation: str | None) -> list[str]:
-        """Every problem with VCPO's options, one line each."""
-        return positive_problem("c", c) + aggregation_problem(aggregation)
-
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
-        """Truncated coefficients with the VCPO baseline."""
+    def baseline(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        """The ``(k,)`` per-group baseline ``b*``."""
         if terms.grad_norms_sq is None:
             raise ValueError("VCPO needs PolicyTerms.grad_norms_sq (filled for rules with needs_grad_norms)")
-        log_w = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask).detach()  # (n,)
-        truncated = torch.exp(log_w.clamp(max=math.log(self.c)))  # (n,) min(w, c)
-        baseline = vcpo_baseline(log_w, terms.grad_norms_sq, terms.rewards, terms.group_size)  # (k,)
-        adv = group_normalized_advantages(terms.rewards, baseline, terms.group_size)  # (n,)
-        loss = O.surrogate_token_loss(truncated * adv, terms.token_logprobs, terms.mask)  # (n, L)
-        extra = {
-            "vcpo/truncated_fraction": (log_w > math.log(self.c)).float().mean(),
-            "vcpo/baseline_mean": baseline.mean(),
-            "vcpo/trajectory_grad_norm_mean": terms.grad_norms_sq.detach().sqrt().mean(),
-        }
-        return CorrectionOutput(loss, log_w, truncated, adv.detach(), extra)
+        return O.vcpo_baseline(log_rho, terms.grad_norms_sq, terms.rewards, terms.group_size)
 
+    @override
+    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.group_normalized_advantages(terms.rewards, self.baseline(terms, log_rho), terms.group_size)
+
+    @override
+    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
+        return O.truncated_coefficients(log_rho, self.c)
+
+    @override
+    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+        """The surrogate loss, logging the share of truncated ratios, the mean baseline and trajectory gradient norm."""
+        out = super().__call__(terms)
+        out.extra["vcpo/truncated_fraction"] = (out.log_rho > math.log(self.c)).float().mean()
+        out.extra["vcpo/baseline_mean"] = self.baseline(terms, out.log_rho).mean()  # (k,): cheap to form again
+        out.extra["vcpo/trajectory_grad_norm_mean"] = terms.grad_norms_sq.detach().sqrt().mean()  # type: ignore[union-attr]
+        return out
+
+    @override
     def before_step(
         self, parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, stats: dict[str, Tensor]
     ) -> dict[str, float]:
         """Scale every param group's lr by the ESS factor of ``stats["log_rho"]``; returns it and the ESS fraction."""
-        factor = float(ess_step_factor(stats["log_rho"]))
+        factor = float(O.ess_step_factor(stats["log_rho"]))
         self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
         return {"vcpo/lr_factor": factor, "vcpo/ess_fraction": factor * factor}
 
+    @override
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Put back the learning rates saved by :meth:`before_step`."""
         if self._saved_lrs is not None:
