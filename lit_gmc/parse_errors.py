@@ -4,7 +4,8 @@ jsonargparse stops at the first bad option and words its messages for its own ty
 messages about one option (a value of the wrong type, a class that does not resolve, an option of another class, a
 reward that does not import), so that the CLI can note it, drop it from the command line and parse the rest again.
 The messages are read as text because that is all jsonargparse gives: its ``ArgumentError`` has no ``argument_name``
-and the exceptions it chains carry neither the flag nor the value.
+and the exceptions it chains carry neither the flag nor the value. ``pyproject.toml`` pins jsonargparse to the release
+CI tests, and ``tests/test_cli.py`` checks each message shape read here against it.
 """
 
 from __future__ import annotations

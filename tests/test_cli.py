@@ -458,3 +458,85 @@ def test_help_and_export_help_import_neither_torch_nor_lightning():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.stdout.splitlines() == ["--help True", "export True", "[]"], done.stderr[-2000:]
+
+
+class ParserBuilt(Exception):
+    def __init__(self, parser) -> None:
+        self.parser = parser
+
+
+class RawParser(GMCCLI):
+    """Builds fit's parser and hands it over: jsonargparse's own messages, before lit_gmc reads them."""
+
+    def parse_arguments(self, parser, args) -> None:
+        raise ParserBuilt(parser)
+
+
+@pytest.fixture(scope="module")
+def raw_parser():
+    with pytest.raises(ParserBuilt) as built:
+        RawParser(args=["fit"])
+    return built.value.parser
+
+
+def raw_message(parser, *argv: str) -> str:
+    from argparse import ArgumentError
+
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_args(["fit", *argv])
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "reader", "read"),
+    [
+        (["--data.schedule.delay", "soon"], "bad_value",
+         ("--data.schedule.delay", "--data.schedule.delay=soon: expected int")),
+        (["--model.correction", "GRPO", "--model.correction.cap", "0.3"], "foreign_option",
+         ("--model.correction.cap", "--model.correction.cap: GRPO has no option cap (its options: clip, aggregation)")),
+        (["--model.correction", "nope"], "unknown_rule",
+         ("--model.correction", "--model.correction=nope is not a rule: one of ")),
+        (["--data.engine", "Nope"], "unknown_component", ("--data.engine", "--data.engine=Nope is not a class: one of "
+         "HFEngine, VLLMEngine, VLLMServers, or a class's import path (my_project.module.MyClass)")),
+        (["--data.reward", "no_such_module.reward"], "unimportable_function", ("--data.reward",
+         "--data.reward=no_such_module.reward: cannot import no_such_module.reward")),
+    ],
+    ids=["bad-value", "foreign-option", "unknown-rule", "unknown-component", "unimportable-function"],
+)  # fmt: skip
+def test_each_jsonargparse_message_shape_read_is_still_the_installed_release_s(raw_parser, argv, reader, read):
+    """parse_errors reads jsonargparse's text where its errors carry no flag: a release that rewords one fails here."""
+    import lit_gmc.parse_errors as parse_errors
+
+    found = getattr(parse_errors, reader)(raw_message(raw_parser, *argv))
+    assert found is not None and found[0] == read[0] and found[1].startswith(read[1]), found
+
+
+def test_the_unknown_option_messages_read_are_still_the_installed_release_s(raw_parser, tmp_path):
+    from lit_gmc.parse_errors import unknown_options
+
+    names = ["trainer.max_steps", "data.group_size"]
+    message = raw_message(raw_parser, "--trainer.max_step", "7")
+    assert unknown_options(message, [], lambda: names) == (
+        "--trainer.max_step: no such option (did you mean --trainer.max_steps?)"
+    )
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  group_sise: 4\n")
+    argv = ["--config", str(typo)]
+    assert unknown_options(raw_message(raw_parser, *argv), argv, lambda: names) == (
+        f"--data.group_sise: no such option (did you mean --data.group_size?) (set in {typo})"
+    )
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [\n")
+    assert raw_message(raw_parser, "--config", str(broken)).startswith(("Problems parsing config", "Unexpected config"))
+
+
+def test_the_private_lightning_methods_lit_gmc_overrides_are_still_called():
+    """GMCCLI._parse_ckpt_path and UpdateProgressBar._get_train_description override private Lightning methods
+    (pyproject.toml pins the Lightning range): a release that renames or stops calling them fails here."""
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.cli import LightningCLI
+
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
+    assert list(inspect.signature(LightningCLI._parse_ckpt_path).parameters) == ["self"]
+    assert "self._get_train_description(" in inspect.getsource(RichProgressBar)
+    assert list(inspect.signature(RichProgressBar._get_train_description).parameters) == ["self", "current_epoch"]
