@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -148,6 +148,10 @@ class RolloutDataModule(pl.LightningDataModule):
             generates, evaluates or checkpoints (a FIFO fill, a ``Sync`` round, a benchmark) before they give up;
             these waits use their own gloo group with this timeout, not ``--trainer.strategy.timeout``.
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): linked from --trainer.max_steps: a finished run may
+    # go on.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"total_updates"})
 
     def __init__(
         self,

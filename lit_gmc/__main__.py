@@ -1,25 +1,62 @@
-"""``lit_gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit_gmc export``: checkpoint to HF folder.
+"""``lit-gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit-gmc export``: checkpoint to HF folder.
 
-A user's mistake (:class:`~lit_gmc.errors.UserError`: an option, a config, data file or checkpoint) prints one
-line and exits with status 2; a run stopped by SIGTERM, once it has saved ``last.ckpt``, exits with 143
-(128 + SIGTERM, as if the signal had ended it); anything else is a bug and keeps its traceback.
+The command is read here before anything heavy is imported, so that ``lit-gmc --help`` and ``lit-gmc export
+--help`` answer at once; ``fit`` imports Lightning (most of its start-up). A user's mistake
+(:class:`~lit_gmc.errors.UserError`: an option, a config, data file or checkpoint) prints one line and exits with
+status 2; a run stopped by SIGTERM, once it has saved ``last.ckpt``, exits with 143 (128 + SIGTERM, as if the
+signal had ended it); anything else is a bug and keeps its traceback.
 """
 
+import argparse
+import difflib
 import signal
 import sys
 
 from lit_gmc.errors import UserError
 
 PREEMPTED = 128 + signal.SIGTERM
+COMMANDS = {
+    "fit": "train a policy on stale rollouts (lit-gmc fit --help lists its options)",
+    "export": "write a checkpoint's policy as a transformers folder (lit-gmc export --help)",
+}
+DESCRIPTION = "Asynchronous RL post-training of LLMs on stale rollouts (GMC-GRPO and its baselines), in Lightning."
+
+
+def command_parser() -> argparse.ArgumentParser:
+    """The parser of ``lit-gmc`` itself: its ``--help`` lists the commands (each command parses its own options)."""
+    parser = argparse.ArgumentParser(prog="lit_gmc", description=DESCRIPTION, exit_on_error=False)
+    commands = parser.add_subparsers(title="commands", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, help_text in COMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    return parser
 
 
 def run(argv: list[str]) -> None:
-    """Run ``export`` or the LightningCLI entry point (``fit``, ``validate``, ...) on ``argv``."""
-    if argv[:1] == ["export"]:
+    """Run ``export`` or ``fit`` (the LightningCLI entry point) on ``argv``; ``--help`` alone lists the commands."""
+    command = argv[0] if argv else None
+    if command == "export":
         from lit_gmc.export import main as export
 
         export(argv[1:])
-        return
+    elif command == "fit":
+        fit(argv)
+    elif command in ("-h", "--help"):
+        command_parser().parse_args(argv)  # prints the help and exits 0
+    else:
+        raise UserError(unknown_command(command))
+
+
+def unknown_command(command: str | None) -> str:
+    """The message for a missing or unknown command, with the closest one where there is one."""
+    if command is None:
+        return f"give a command: {' or '.join(COMMANDS)} (lit-gmc --help)"
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"{command} is not a command: one of {', '.join(COMMANDS)} (lit-gmc --help){hint}"
+
+
+def fit(argv: list[str]) -> None:
+    """``lit-gmc fit ...`` through :class:`~lit_gmc.cli.GMCCLI`."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from lit_gmc.cli import GMCCLI
@@ -49,17 +86,21 @@ def user_error_in(err: BaseException) -> UserError | None:
     ``MisconfigurationException`` (an accelerator this machine lacks, a strategy that needs another) is a user's
     error too.
     """
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, UserError):
             return err
-        if isinstance(err, MisconfigurationException):  # Lightning's word for a trainer option that cannot work here
+        if is_misconfiguration(err):  # Lightning's word for a trainer option that cannot work here
             return UserError(" ".join(str(err).split()))
         seen.add(id(err))
         err = err.__cause__
     return None
+
+
+def is_misconfiguration(err: BaseException) -> bool:
+    """Whether ``err`` is Lightning's ``MisconfigurationException`` (Lightning is imported only if it was)."""
+    module = sys.modules.get("lightning.fabric.utilities.exceptions")
+    return module is not None and isinstance(err, module.MisconfigurationException)
 
 
 if __name__ == "__main__":

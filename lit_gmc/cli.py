@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -9,6 +10,7 @@ import os
 import sys
 import warnings
 from argparse import ArgumentError
+from collections.abc import Callable, Mapping
 from importlib.resources import files
 from pkgutil import resolve_name
 from typing import Any
@@ -31,9 +33,9 @@ from lit_gmc.data.schedules import live, virtual_clock  # noqa: F401
 from lit_gmc.data.tasks import addition, math  # noqa: F401
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
-from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem
+from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem, refused_options
 from lit_gmc.options import component_problems
-from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, parse_error_message, without_option
+from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, given_value, parse_error_message, without_option
 from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
 from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints
 
@@ -42,9 +44,14 @@ DESCRIPTION = (
     "fit (train; lit_gmc fit --help) and export (a checkpoint to a transformers folder; lit_gmc export --help)."
 )
 
+OPTION_OWNERS = {"--model": GMCModule, "--data": RolloutDataModule}  # whose may_change_on_resume a resume asks
 
-def collect_problems(config: Namespace) -> list[str]:
-    """Every invalid option of a parsed ``fit``/``validate``/... config, one line each, named by its flag."""
+
+def collect_problems(config: Namespace, given_class: Callable[[str], str | None] = lambda flag: None) -> list[str]:
+    """Every invalid option of a parsed ``fit``/``validate``/... config, one line each, named by its flag.
+
+    ``given_class(flag)``: the class the command line gives ``--optimizer`` or ``--lr_scheduler``, for messages.
+    """
     names = inspect.signature(validate_model_args).parameters  # keyword parameters named like the model's init args
     problems = validate_model_args(**{name: config.model[name] for name in names})
     problems += class_problems(config.model.correction, "--model.correction")
@@ -52,8 +59,12 @@ def collect_problems(config: Namespace) -> list[str]:
     problems += component_problems(RolloutDataModule, data, "--data")
     for key in DATA_COMPONENTS:
         problems += class_problems(config.data[key], f"--data.{key}")
-    problems += unresolved_problems(config.get("optimizer"), "--optimizer")
-    problems += unresolved_problems(config.get("lr_scheduler"), "--lr_scheduler")
+    problems += unresolved_problems(config.get("optimizer"), "--optimizer", given_class)
+    problems += unresolved_problems(config.get("lr_scheduler"), "--lr_scheduler", given_class)
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, Namespace) and optimizer.get("class_path"):
+        init_args = as_dict(optimizer.get("init_args")) or {}
+        problems += refused_options(resolve_name(optimizer.class_path), init_args, "--optimizer")
     every = config.get("progress_every")
     if every is not None and every < 1:
         problems.append(f"--progress_every={every} must be >= 1 (or null: about 1% of the run)")
@@ -63,20 +74,38 @@ def collect_problems(config: Namespace) -> list[str]:
     return problems
 
 
-def unresolved_problems(spec: object, flag: str) -> list[str]:
+def unresolved_problems(spec: object, flag: str, given_class: Callable[[str], str | None]) -> list[str]:
     """A problem unless a ``--optimizer``/``--lr_scheduler`` kept as a plain dict is a class of a missing package.
 
     Such an option parses to a dict only when jsonargparse cannot resolve it: a package not installed here (the
-    Qwen3 configs' bitsandbytes, refused with one message when the optimizer is built), or a bad class or value.
+    Qwen3 configs' bitsandbytes, refused with one message when the optimizer is built), or a bad value of one of
+    the class's options (``--optimizer.lr nan``: YAML's NaN is ``.nan``), where jsonargparse keeps the options and
+    drops the class; then the class is the one the command line gives (``given_class``), if any.
     """
     if not isinstance(spec, dict):
         return []
-    class_path = str(spec.get("class_path") or "")
+    class_path = str(spec.get("class_path") or given_class(flag) or "")
     package = class_path.partition(".")[0]
-    if package and importlib.util.find_spec(package) is None:
+    if spec.get("class_path") and importlib.util.find_spec(package) is None:
         return []
-    shown = " ".join(f"{flag}.{key}={value}" for key, value in (spec.get("init_args") or spec).items())
-    return [f"{flag} {class_path or '(no class)'}: not a class with these options: {shown}"]
+    options = spec.get("init_args") or {key: value for key, value in spec.items() if key != "class_path"}
+    if not class_path:
+        shown = " ".join(f"{flag}.{key}={value}" for key, value in options.items())
+        return [f"{shown}: options without a class; give the class first ({flag} torch.optim.AdamW {shown.split()[0]})"]
+    name = class_path.rpartition(".")[2]
+    with contextlib.suppress(ImportError, AttributeError, ValueError):
+        accepted = inspect.signature(resolve_name(class_path)).parameters
+        return [option_problem(flag, name, key, value, accepted) for key, value in options.items()]
+    return [f"{flag} {class_path}: not a class ({flag}.{key}={value} given)" for key, value in options.items()]
+
+
+def option_problem(flag: str, name: str, key: str, value: object, accepted: Mapping[str, inspect.Parameter]) -> str:
+    """``--optimizer.lr=nan: not a valid lr of AdamW (float | Tensor)``, or that the class has no such option."""
+    if key not in accepted:
+        return f"{flag}.{key}: {name} has no option {key} (its options: {', '.join(list(accepted)[1:])})"
+    kind = accepted[key].annotation
+    kind = getattr(kind, "__name__", None) or str(kind).replace("typing.", "").replace("torch.", "")
+    return f"{flag}.{key}={value}: not a valid {key} of {name} ({kind})"
 
 
 def as_dict(value: object) -> object:
@@ -145,7 +174,9 @@ class GMCCLI(LightningCLI):
         # one line by __main__ rather than after the whole usage text.
         defaults = {"default_config_files": [embedded_default()], "exit_on_error": False}
         commands = {cmd: defaults for cmd in self.subcommands()}
-        main_parser = {"exit_on_error": False, "prog": "lit_gmc", "description": DESCRIPTION}
+        # allow_abbrev=False: argparse would take --trainer.max_step 7 as --trainer.max_steps (jsonargparse passes the
+        # main parser's setting to its subcommands).
+        main_parser = {"exit_on_error": False, "allow_abbrev": False, "prog": "lit_gmc", "description": DESCRIPTION}
         kwargs.setdefault("parser_kwargs", {**main_parser, **commands})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # --optimizer and --lr_scheduler are the module's init args (add_arguments_to_parser), built by the module in
@@ -168,6 +199,7 @@ class GMCCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser) -> None:
+        self.command_parser = parser  # the subcommand's (fit's) parser, whose option names typos are matched against
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.link_arguments("model.actor", "data.actor")
         parser.link_arguments("data.max_new_tokens", "model.max_response_length")
@@ -233,10 +265,16 @@ class GMCCLI(LightningCLI):
                 bad = next(filter(None, (read(str(err)) for read in PARSE_ERRORS)), None) if argv else None
                 rest = without_option(argv, bad[0]) if bad else None
                 if rest is None:
-                    raise UserError(parse_error_message(str(err), argv or [], noted)) from None
+                    raise UserError(parse_error_message(str(err), argv or [], noted, self.option_names)) from None
                 noted.append(bad[1])
                 argv = rest
+        self.given_argv = argv or []
         self.check_config(noted)
+
+    def option_names(self) -> list[str]:
+        """Every option of the subcommand, as dotted keys (``model.correction``, ``data.schedule.delay``, ...)."""
+        keys = self.command_parser.get_defaults().keys()
+        return sorted({key.replace(".init_args.", ".").removesuffix(".class_path") for key in keys})
 
     def check_config(self, noted: list[str]) -> None:
         """Raise one :class:`UserError` naming every invalid option (``noted`` first), or the ``--ckpt_path`` problem.
@@ -244,18 +282,17 @@ class GMCCLI(LightningCLI):
         Also places the checkpoints beside the logger when ``--checkpoint.dirpath`` is not given.
         """
         config = self.subcommand_config()
-        name_run_after_task(config)
-        if config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = checkpoint_dir(config)
-        plan_schedule(config)
-        problems = noted + collect_problems(config)
+        derive_options(config)
+        problems = noted + collect_problems(config, lambda flag: given_value(self.given_argv, flag))
+        if len(problems) == 1:
+            raise UserError(problems[0])
         if problems:
             raise UserError("invalid options:\n  " + "\n  ".join(problems))
         if not config.get("ckpt_path"):
             refuse_earlier_checkpoints(config.checkpoint.dirpath)
         else:
             settings = run_settings(config) if self.config.get("subcommand") == "fit" else None
-            check_resume(config.ckpt_path, config.checkpoint.dirpath, settings)
+            check_resume(config.ckpt_path, config.checkpoint.dirpath, settings, OPTION_OWNERS)
             continue_logger_version(config)
 
     @override
@@ -299,6 +336,12 @@ class GMCCLI(LightningCLI):
         if config.torch_num_threads is not None:
             torch.set_num_threads(config.torch_num_threads)
 
+    def before_fit(self) -> None:
+        """Take the run folder's lock before ``fit`` starts the logger, so that a refused run writes nothing."""
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunFolder):
+                callback.hold(self.trainer)
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
@@ -312,6 +355,42 @@ class GMCCLI(LightningCLI):
             every = self.subcommand_config().get("progress_every")
             trainer.callbacks[trainer.callbacks.index(bar)] = default_progress_bar(sys.stdout.isatty(), every)
         return trainer
+
+
+class FitConfig(GMCCLI):
+    """Parses a ``fit`` command line as ``fit`` does and stops, building nothing: the run's config, for ``export``.
+
+    The options a run derives (its folder named after its task, its checkpoint folder) are filled in as in ``fit``.
+    """
+
+    def __init__(self, args: list[str]) -> None:
+        parser = {"default_config_files": [embedded_default()], "exit_on_error": False, "allow_abbrev": False}
+        # no seed set (nothing logged): only the config is wanted
+        super().__init__(args=[*args, "--seed_everything=false"], run=False, parser_kwargs=parser)
+
+    @override
+    def check_config(self, noted: list[str]) -> None:
+        derive_options(self.config)
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    @override
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def derive_options(config: Namespace) -> None:
+    """Fill in what a run derives from its other options, in place (fit's rules, which export follows too).
+
+    A ``null`` logger name becomes ``<task>_<model>``; without ``--checkpoint.dirpath`` the checkpoints go beside
+    the logger; ``CosineWithWarmup`` gets ``--trainer.max_steps`` as its ``total_steps``.
+    """
+    name_run_after_task(config)
+    if config.checkpoint.dirpath is None:
+        config.checkpoint.dirpath = checkpoint_dir(config)
+    plan_schedule(config)
 
 
 def default_progress_bar(terminal: bool, every_n_updates: int | None) -> ProgressBar:

@@ -1,4 +1,4 @@
-"""``python -m lit_gmc export``: a training checkpoint becomes a transformers ``save_pretrained`` folder.
+"""``lit-gmc export``: a training checkpoint becomes a transformers ``save_pretrained`` folder.
 
 The folder holds the actor's weights (the learner's ``actor.*`` tensors, i.e. the policy after the checkpoint's
 last update), its config and its tokenizer, so ``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load
@@ -18,13 +18,14 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lit_gmc.errors import UserError, first_line
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch itself is imported when a checkpoint is read
 PREFIX = "actor."
 SHARD_PREFIX = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0": ...}; DCP flattens the keys
 
@@ -130,8 +131,10 @@ def export_checkpoint(
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise OutExistsError(f"--out {out_dir} exists; choose a new folder (exports never overwrite)")
+    import torch
+
     model, tokenizer, _ = load_checkpoint_actor(ckpt_path, actor)
-    model.to(DTYPES[dtype])
+    model.to(getattr(torch, dtype))
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -144,6 +147,8 @@ def export_checkpoint(
         os.chmod(staging, 0o777 & ~current_umask())  # as mkdir would make it (mkdtemp's is private: 0o700)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        for written in staging.iterdir():  # safetensors writes its file private (0o600): readable as any other file
+            os.chmod(written, 0o666 & ~current_umask())
         os.replace(staging, out_dir)
     except OSError as err:
         raise UserError(f"--out {out_dir}: cannot write there ({err})") from err
@@ -159,68 +164,47 @@ def current_umask() -> int:
     return mask
 
 
-def run_checkpoint_dir(configs: list[str]) -> Path:
-    """The checkpoint folder a ``fit`` with these ``--config`` files writes to, layered over the embedded default.
+def resolved_checkpoint(ckpt_path: str, fit_args: list[str]) -> str:
+    """``--ckpt_path`` as given, or for ``last`` the newest ``last*.ckpt`` of the run's checkpoint folder.
 
-    ``--checkpoint.dirpath`` when a file sets it, else ``<logger save_dir>/<logger name>/checkpoints`` (fit's rule),
-    a ``null`` name being ``<task>_<model>`` as in fit (:func:`~lit_gmc.run_folder.default_run_name`).
+    The folder is the one ``lit-gmc fit FIT_ARGS`` writes to: ``fit_args`` (the run's ``--config`` files and
+    options) are read by fit's own parser (:class:`~lit_gmc.cli.FitConfig`).
     """
-    import yaml
-
-    from lit_gmc.cli import embedded_default
-    from lit_gmc.run_folder import default_run_name
-
-    save_dir, name, dirpath, task, actor = "runs", "", None, "", "tiny"
-    for path in [embedded_default(), *configs]:
-        try:
-            content = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as err:
-            raise UserError(f"--config {path}: cannot be read ({first_line(err)})") from err
-        content = content if isinstance(content, dict) else {}
-        logger = (content.get("trainer") or {}).get("logger")
-        init_args = (logger.get("init_args") or {}) if isinstance(logger, dict) else {}
-        save_dir, name = init_args.get("save_dir", save_dir), init_args.get("name", name)
-        dirpath = (content.get("checkpoint") or {}).get("dirpath", dirpath)
-        spec = (content.get("data") or {}).get("task")
-        task = (spec.get("class_path") if isinstance(spec, dict) else spec) or task
-        actor = (content.get("model") or {}).get("actor", actor)
-    if name is None:
-        name = default_run_name(str(task), str(actor))
-    return Path(dirpath) if dirpath else Path(str(save_dir), str(name or ""), "checkpoints")
-
-
-def resolved_checkpoint(ckpt_path: str, configs: list[str]) -> str:
-    """``--ckpt_path`` as given, or for ``last`` the newest ``last*.ckpt`` of the run's checkpoint folder (as fit)."""
-    from lit_gmc.resume import checkpoint_file
-
     if ckpt_path != "last":
         return ckpt_path
-    folder = run_checkpoint_dir(configs)
-    found = checkpoint_file("last", str(folder))
+    from lit_gmc.cli import FitConfig
+    from lit_gmc.resume import checkpoint_file
+
+    folder = FitConfig(fit_args).config.checkpoint.dirpath
+    found = checkpoint_file("last", folder)
     if found is None:
         raise UserError(
             f"--ckpt_path last: no last*.ckpt in {folder}, the checkpoint folder of the run's config; pass the run's "
-            "--config files, or the checkpoint's path"
+            "--config files and options as given to fit, or the checkpoint's path"
         )
     return str(found)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line of ``python -m lit_gmc export``; a :class:`UserError` reaches ``lit_gmc.__main__``."""
-    parser = argparse.ArgumentParser(prog="lit_gmc export", description=__doc__.splitlines()[0])
+    """Command line of ``lit-gmc export``; a :class:`UserError` reaches ``lit_gmc.__main__``.
+
+    Any option it does not know itself is the run's, as given to ``fit`` (``--config FILE``,
+    ``--trainer.logger.init_args.name NAME``, ...), read by fit's parser to find ``--ckpt_path last``.
+    """
+    parser = argparse.ArgumentParser(prog="lit_gmc export", description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     epilog="Other options are the run's, as given to fit (--config FILE ...), to find "
+                                     "its checkpoint folder for --ckpt_path last (default: runs/addition_tiny/"
+                                     "checkpoints, the embedded default's).")  # fmt: skip
     parser.add_argument("--ckpt_path", required=True,
                         help="a checkpoint of lit_gmc fit (e.g. last.ckpt), a file or a sharded folder; 'last': the "
-                        "newest last*.ckpt of the run's checkpoint folder, as in fit (see --config)")  # fmt: skip
-    parser.add_argument("--config", action="append", default=[],
-                        help="the run's config files, as given to fit, to find its checkpoint folder for --ckpt_path "
-                        "last (default: the embedded default's, runs/addition_tiny/checkpoints)")  # fmt: skip
+                        "newest last*.ckpt of the run's checkpoint folder, as in fit")  # fmt: skip
     parser.add_argument("--out", required=True, help="new folder for the transformers model and tokenizer")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="dtype of the saved weights (training keeps fp32 master weights)")  # fmt: skip
     parser.add_argument("--actor", default=None,
                         help="the model to load the weights into (default: the checkpoint's actor); a local copy "
                         "of it where that is out of reach, e.g. a hub name on an offline machine")  # fmt: skip
-    args = parser.parse_args(argv)
-    ckpt_path = resolved_checkpoint(args.ckpt_path, args.config)
+    args, fit_args = parser.parse_known_args(argv)
+    ckpt_path = resolved_checkpoint(args.ckpt_path, fit_args)
     out = export_checkpoint(ckpt_path, args.out, args.dtype, args.actor)
     print(f"exported {ckpt_path} -> {out}")

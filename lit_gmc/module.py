@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -77,6 +77,12 @@ class GMCModule(pl.LightningModule):
         gradient_checkpointing: Recompute backbone activations in backward.
         dtype: Actor parameter dtype: ``float32``, ``bfloat16`` or ``float64``.
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): memory knobs: the same update up to floating-point
+    # summation order.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset(
+        {"micro_batch_groups", "logit_chunk_tokens", "gradient_checkpointing"}
+    )
 
     def __init__(
         self,

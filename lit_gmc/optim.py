@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from transformers import get_cosine_schedule_with_warmup
 
-from lit_gmc.errors import UserError
+from lit_gmc.errors import UserError, first_line
 
 OptimizerSpec = Callable[[Iterable], Optimizer] | dict
 """What ``--optimizer`` parses to: a callable of the parameters, or ``{class_path, init_args}`` of a class whose
@@ -91,6 +91,30 @@ def from_spec(spec: Callable | dict, first: Any, flag: str, base: type) -> Any:
 def build_optimizer(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> Optimizer:
     """The optimizer of ``spec`` over ``parameters`` (see :data:`OptimizerSpec`)."""
     return from_spec(spec, parameters, "--optimizer", Optimizer)
+
+
+def refused_options(cls: type, init_args: dict[str, Any], flag: str) -> list[str]:
+    """The problem of options a ``torch.optim`` optimizer refuses (a negative or NaN lr), or none.
+
+    Found by building it over one stand-in parameter while the options are checked, before anything else is built,
+    rather than with torch's traceback once the model is loaded. Each option it refuses alone is named.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer) and cls.__module__.startswith("torch.optim")):
+        return []  # another package's optimizer may need its device to be built at all (bitsandbytes)
+
+    def refusal(options: dict[str, Any]) -> Exception | None:
+        try:
+            cls([torch.zeros(1, requires_grad=True)], **options)
+        except Exception as err:  # torch raises ValueError for a value out of range, TypeError for a wrong type
+            return err
+        return None
+
+    err = refusal(init_args)
+    if err is None:
+        return []
+    named = [key for key, value in init_args.items() if refusal({key: value}) is not None] or list(init_args)
+    shown = " ".join(f"{flag}.{key}={init_args[key]}" for key in named)
+    return [f"{shown}: {cls.__name__} refuses {'it' if len(named) == 1 else 'them'} ({first_line(err)})"]
 
 
 def monitored_schedule_problem(cls: type, class_path: str) -> list[str]:

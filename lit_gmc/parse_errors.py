@@ -4,15 +4,18 @@ jsonargparse stops at the first bad option and words its messages for its own ty
 messages about one option (a value of the wrong type, a class that does not resolve, an option of another class, a
 reward that does not import), so that the CLI can note it, drop it from the command line and parse the rest again.
 The messages are read as text because that is all jsonargparse gives: its ``ArgumentError`` has no ``argument_name``
-and the exceptions it chains carry neither the flag nor the value.
+and the exceptions it chains carry neither the flag nor the value. ``pyproject.toml`` pins jsonargparse to the release
+CI tests, and ``tests/test_cli.py`` checks each message shape read here against it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from pkgutil import resolve_name
 
@@ -124,6 +127,17 @@ def without_option(argv: list[str], flag: str) -> list[str] | None:
     return None
 
 
+def given_value(argv: list[str], flag: str) -> str | None:
+    """The last value the command line gives ``flag`` (``flag VALUE`` or ``flag=VALUE``), None for none or null."""
+    found = None
+    for index, arg in enumerate(argv):
+        if arg == flag and index + 1 < len(argv):
+            found = argv[index + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.removeprefix(flag + "=")
+    return None if found in (None, "null", "None") else found
+
+
 def config_files(argv: list[str]) -> list[Path]:
     """The ``--config`` files of a command line that exist, in order (later ones override earlier ones)."""
     paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
@@ -170,12 +184,46 @@ def setting_file(argv: list[str], flag: str) -> Path | None:
 PARSE_ERRORS = (foreign_option, unknown_rule, unknown_component, unimportable_function, bad_value)
 
 
-def parse_error_message(message: str, argv: list[str], noted: list[str]) -> str:
-    """One message for a parse error, after the ``noted`` bad values; a YAML syntax error names its file."""
+def closest(name: str, names: list[str]) -> str:
+    """`` (did you mean --a or --b?)`` for the option names closest to ``name`` (dotted keys), else ``""``."""
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join('--' + match for match in close)}?)" if close else ""
+
+
+def unknown_options(message: str, argv: list[str], names: Callable[[], list[str]]) -> str | None:
+    """One line per option no class takes, each with the closest valid names; the config file that sets it.
+
+    argparse's ``unrecognized arguments: --trainer.max_step 7`` (a command-line option) and jsonargparse's
+    ``Subcommand 'fit' does not accept option 'data.group_sise'`` (a key of a config file).
+    """
+    if message.startswith("unrecognized arguments: "):
+        given = [arg.split("=", 1)[0] for arg in message.removeprefix("unrecognized arguments: ").split()]
+        flags = [arg for arg in given if arg.startswith("--")]
+        if not flags:
+            return None
+        known = names()
+        return "\n  ".join(f"{flag}: no such option{closest(flag[2:], known)}" for flag in flags)
+    key = re.fullmatch(r"Subcommand '\w+' does not accept option '([\w.]+)'", message.strip())
+    if key is None:
+        return None
+    where = setting_file(argv, "--" + key[1])
+    return f"--{key[1]}: no such option{closest(key[1], names())}" + (f" (set in {where})" if where else "")
+
+
+def parse_error_message(
+    message: str, argv: list[str], noted: list[str], option_names: Callable[[], list[str]] = list
+) -> str:
+    """One message for a parse error, after the ``noted`` bad values; a YAML syntax error names its file.
+
+    ``option_names`` gives the parser's options (dotted keys), for the closest names to an unknown option.
+    """
     bad = next(filter(None, (read(message) for read in PARSE_ERRORS)), None)
+    unknown = unknown_options(message, argv, option_names) if bad is None else None
     if bad is not None:  # a bad value in a config file, which cannot be dropped like one on the command line
         where = setting_file(argv, bad[0])
         message = bad[1] + (f" (set in {where})" if where else "")
+    elif unknown is not None:
+        message = unknown
     elif message.startswith(("Problems parsing config", "Unexpected config")):
         message = yaml_problem(argv) or message
-    return "\n  ".join(["invalid options:", *noted, message]) if noted else message
+    return "\n  ".join(["invalid options:", *noted, message]) if noted or "\n" in message else message

@@ -1,33 +1,25 @@
 """Resuming checks its checkpoint: a file that is no lit_gmc checkpoint, or one saved under other settings, is refused.
 
 Every checkpoint records the options of the run that wrote it (:class:`RunSettings`, under
-:data:`SETTINGS_KEY`): ``--model.*``, ``--data.*``, ``--optimizer`` and ``--lr_scheduler``, with each
-component's class and options (``--model.correction``, ``--model.correction.cap``, ``--data.schedule.delay``,
-``--optimizer.lr``, ...) and ``--trainer.precision``. A resume (``fit --ckpt_path``)
-compares them with its own and refuses every difference, listed by flag with both values, except these,
-which may change because they set how long, how fast, where or how visibly a run goes, not what it computes:
+:data:`SETTINGS_KEY`): ``--model.*``, ``--data.*``, ``--optimizer`` and ``--lr_scheduler``, each component's
+class and options, and ``--trainer.precision``. A resume (``fit --ckpt_path``) refuses every difference, listed
+by flag with both values, except what sets how long, how fast, where or how visibly a run goes, not what it
+computes: everything outside those groups (``--trainer.max_steps``, logging, callbacks, devices, ...), the
+options linked to another (:data:`LINKED`), and the options each class declares in its ``may_change_on_resume``
+(``GMCModule``'s memory knobs, ``RolloutDataModule.total_updates``, ``VirtualClock``'s ``overlap``, the engines'
+layout and memory options, ...): the class that owns an option says whether it may change.
 
-- ``--trainer.max_steps`` (and ``--data.total_updates`` and ``--lr_scheduler.total_steps``, linked to it): a
-  finished run may go on;
-- everything outside ``model``/``data``/``optimizer``/``lr_scheduler``/``--trainer.precision``: logging,
-  callbacks, ``--checkpoint.*``, ``--torch_num_threads``, devices and strategy, ``--seed_everything`` (sampling
-  seeds derive from ``--data.seed``, which is compared);
-- memory and speed knobs that leave the updates as they are (up to floating-point summation order):
-  ``--model.micro_batch_groups``, ``--model.logit_chunk_tokens``, ``--model.gradient_checkpointing``,
-  and the component options in :data:`COMPONENT_MAY_CHANGE` (``VirtualClock``'s ``overlap`` and
-  ``max_launches``, ``Live``'s ``join_timeout_s``, ``VLLMEngine``'s layout and memory options, ``Math``'s
-  ``test_path`` and ``verifier_workers``).
-
-``HFEngine.batch_rows`` is compared: it sets which rows share a sampling seed, so it changes the samples.
 Checkpoints written before the settings were recorded are compared on what they hold (the model's and the
 DataModule's saved hyperparameters), which leaves out the components.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from pkgutil import resolve_name
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,27 +33,12 @@ SETTINGS_KEY = "lit_gmc_settings"
 COMPONENTS = ("task", "engine", "schedule")
 # Options built from class_path + init_args: compared class first, then option by option.
 COMPONENT_FLAGS = ("--model.correction", "--optimizer", "--lr_scheduler", *(f"--data.{key}" for key in COMPONENTS))
-# Options outside the comparison: linked from another option (compared there) or allowed to change.
-MAY_CHANGE = frozenset({
-    "--data.total_updates",  # linked from --trainer.max_steps: a resumed run may plan more updates
-    "--lr_scheduler.total_steps",  # likewise (CosineWithWarmup's, filled in from --trainer.max_steps)
+# Options linked from another option by the CLI (compared there), or set from --trainer.max_steps (which may change).
+LINKED = frozenset({
+    "--lr_scheduler.total_steps",  # CosineWithWarmup's, filled in from --trainer.max_steps
     "--data.actor", "--model.max_response_length", "--model.temperature",  # linked: --model.actor, --data.*
     "--model.optimizer", "--model.lr_scheduler",  # linked from --optimizer and --lr_scheduler, compared there
-    "--model.micro_batch_groups", "--model.logit_chunk_tokens", "--model.gradient_checkpointing",
 })  # fmt: skip
-COMPONENT_MAY_CHANGE = {
-    "lit_gmc.data.schedules.virtual_clock.VirtualClock": {"overlap", "max_launches"},
-    "lit_gmc.data.schedules.live.Live": {"join_timeout_s"},
-    "lit_gmc.data.engines.vllm.VLLMEngine": {
-        "sleep_between_rollouts", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
-        "enable_prefix_caching",
-    },
-    "lit_gmc.data.engines.vllm_serve.VLLMServers": {
-        "urls", "launch", "devices", "backend", "bucket_bytes", "served_model", "transfer_address", "startup_timeout_s",
-        "request_timeout_s", "kv_cache_memory_bytes", "gpu_memory_utilization", "server_args",
-    },  # where the servers run and how weights reach them, not what they sample
-    "lit_gmc.data.tasks.math.Math": {"test_path", "verifier_workers"},
-}  # fmt: skip
 # What makes a dict a lit_gmc training checkpoint (a Lightning checkpoint with our DataModule's state).
 CHECKPOINT_KEYS = ("pytorch-lightning_version", "state_dict", "hyper_parameters", "RolloutDataModule")
 SHARDED_METADATA = "meta.pt"  # what Lightning's distributed checkpoint holds besides the shards
@@ -129,15 +106,23 @@ def saved_settings(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return saved
 
 
-def may_change(flag: str, settings: Mapping[str, Any]) -> bool:
-    """Whether ``flag`` may differ on resume (:data:`MAY_CHANGE`, :data:`COMPONENT_MAY_CHANGE`)."""
-    if flag in MAY_CHANGE:
+def may_change(flag: str, settings: Mapping[str, Any], owners: Mapping[str, type]) -> bool:
+    """Whether ``flag`` may differ on resume: linked (:data:`LINKED`), or its owner's ``may_change_on_resume``.
+
+    The owner of ``--model.X``/``--data.X`` is ``owners["--model"]``/``owners["--data"]`` (the CLI's module and
+    DataModule classes); of a component's option (``--data.schedule.overlap``), the class ``settings`` names.
+    """
+    if flag in LINKED:
         return True
-    component, _, option = flag.rpartition(".")
-    return option in COMPONENT_MAY_CHANGE.get(settings.get(component), ())
+    owner_flag, _, option = flag.rpartition(".")
+    owner = owners.get(owner_flag) or settings.get(owner_flag)
+    if isinstance(owner, str):  # a component's class, by the import path the run recorded
+        with contextlib.suppress(ImportError, AttributeError, ValueError):
+            owner = resolve_name(owner)
+    return option in getattr(owner, "may_change_on_resume", ())
 
 
-def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], owners: Mapping[str, type]) -> list[str]:
     """``flag: old in the checkpoint, new now`` for every option both record that differs and may not change.
 
     A component whose class differs is one line; the options of its two classes are not compared.
@@ -145,7 +130,7 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
     swapped = {flag for flag in COMPONENT_FLAGS if saved.get(flag) != now.get(flag)}
     lines = []
     for flag, value in now.items():
-        if flag not in saved or saved[flag] == value or may_change(flag, now):
+        if flag not in saved or saved[flag] == value or may_change(flag, now, owners):
             continue
         if flag.rpartition(".")[0] in swapped:
             continue  # an option of a component whose class changed: the class line says it
@@ -198,17 +183,20 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def check_resume(ckpt_path: str | None, dirpath: str | None, settings: Mapping[str, Any] | None) -> None:
+def check_resume(
+    ckpt_path: str | None, dirpath: str | None, settings: Mapping[str, Any] | None, owners: Mapping[str, type]
+) -> None:
     """Raise a :class:`UserError` when ``--ckpt_path`` is no lit_gmc checkpoint, or was saved with other settings.
 
     ``settings`` (this run's :func:`run_settings`; ``None`` skips the comparison) must agree with the
-    checkpoint's in every option both record, except those that may change (module docstring).
+    checkpoint's in every option both record, except those that may change (:func:`may_change`; ``owners``: the
+    classes of ``--model`` and ``--data``).
     """
     path = checkpoint_file(ckpt_path, dirpath) if ckpt_path else None
     if path is None:
         return
     checkpoint = read_checkpoint(path)
-    changes = changed_settings(saved_settings(checkpoint), settings) if settings is not None else []
+    changes = changed_settings(saved_settings(checkpoint), settings, owners) if settings is not None else []
     if changes:
         raise UserError(
             f"--ckpt_path {path} was saved with other settings, and resuming would change the run:\n  "

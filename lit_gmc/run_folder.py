@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from pathlib import Path
 from typing import TextIO
 
@@ -52,6 +53,10 @@ def lock_folder(folder: str | Path) -> TextIO:
 class RunFolder(pl.Callback):
     """Holds the checkpoint folder's lock while fitting (global rank 0), and records the logger version.
 
+    ``fit`` takes the lock (:meth:`hold`) as soon as the trainer is built, before the logger writes its version
+    folder, so that a run refused for a folder in use writes nothing; and a run that fails before its first update
+    removes the version folder it created, which TensorBoard would list as a run.
+
     Args:
         checkpoint_dir: The run's checkpoint folder (``None``: no lock).
     """
@@ -59,11 +64,19 @@ class RunFolder(pl.Callback):
     def __init__(self, checkpoint_dir: str | None) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.lock: TextIO | None = None
+        self.created_log_dir: Path | None = None
+
+    def hold(self, trainer: pl.Trainer) -> None:
+        """Take the lock on global rank 0 (once), and note the logger's folder if this run creates it."""
+        if self.checkpoint_dir is None or not trainer.is_global_zero or self.lock is not None:
+            return
+        self.lock = lock_folder(self.checkpoint_dir)
+        log_dir = getattr(trainer.logger, "log_dir", None)
+        self.created_log_dir = Path(log_dir) if log_dir is not None and not Path(log_dir).exists() else None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.checkpoint_dir is not None and trainer.is_global_zero and self.lock is None:
-            self.lock = lock_folder(self.checkpoint_dir)
+        self.hold(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -73,6 +86,8 @@ class RunFolder(pl.Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.created_log_dir is not None and trainer.global_step == 0:  # nothing trained: not a run to list
+            shutil.rmtree(self.created_log_dir, ignore_errors=True)
         self.teardown(trainer, pl_module, "fit")
 
     @override

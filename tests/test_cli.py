@@ -246,8 +246,10 @@ def test_optimizer_and_schedule_options_reach_the_module():
     assert config.model.lr_scheduler["init_args"] == {"warmup_fraction": 0.1, "total_steps": 30, "last_epoch": -1}
     with pytest.raises(UserError, match="ReduceLROnPlateau needs a monitored metric"):
         parse("--lr_scheduler", "torch.optim.lr_scheduler.ReduceLROnPlateau")
-    with pytest.raises(UserError, match=r"--optimizer \(no class\): not a class with these options: --optimizer.lr=x"):
+    with pytest.raises(UserError, match=r"^--optimizer.lr=x: options without a class; give the class first"):
         parse("--optimizer.lr", "x")
+    with pytest.raises(UserError, match=r"^--optimizer.lr=x: not a valid lr of SGD \(float \| Tensor\)$"):
+        parse("--optimizer", "torch.optim.SGD", "--optimizer.lr", "x")
 
 
 def test_the_qwen3_optimizer_parses_without_bitsandbytes_and_building_it_is_one_message():
@@ -377,3 +379,164 @@ def test_a_rule_option_and_any_torch_optimizer_run_a_tiny_fit(args, check, tmp_p
     else:
         assert type(cli.trainer.optimizers[0]) is torch.optim.SGD
         assert values == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * s / 2)) for s in range(2)])
+
+
+def main_error(monkeypatch, *argv: str) -> str:
+    """What ``lit_gmc.__main__.main`` prints on stderr for ``argv``, once it has exited with status 2."""
+    monkeypatch.setattr("sys.argv", ["lit_gmc", *argv])
+    stderr = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 2, stderr.getvalue()[-2000:]
+    return stderr.getvalue().strip()
+
+
+def test_option_names_are_never_abbreviated_and_a_typo_gets_the_closest_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main_error(monkeypatch, "fit", "--trainer.max_step", "7") == (
+        "lit_gmc: error: --trainer.max_step: no such option (did you mean --trainer.max_steps or --trainer.max_time "
+        "or --trainer.min_steps?)"
+    )  # argparse would have run 7 updates, taking it for --trainer.max_steps
+    assert main_error(monkeypatch, "fit", "--model.corection", "TIC", "--data.group_sise=4").splitlines() == [
+        "lit_gmc: error: invalid options:",
+        "  --model.corection: no such option (did you mean --model.correction or --model.correction.cap or "
+        "--model.correction.cap_min?)",
+        "  --data.group_sise: no such option (did you mean --data.group_size?)",
+    ]
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  group_sise: 4\n")
+    assert main_error(monkeypatch, "fit", "--config", str(typo)) == (
+        f"lit_gmc: error: --data.group_sise: no such option (did you mean --data.group_size?) (set in {typo})"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_optimizer_options_torch_refuses_are_one_line_naming_the_option_and_class(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    adamw = ("fit", "--optimizer", "torch.optim.AdamW")
+    assert main_error(monkeypatch, *adamw, "--optimizer.lr", "-1") == (
+        "lit_gmc: error: --optimizer.lr=-1.0: AdamW refuses it (Invalid learning rate: -1.0)"
+    )  # checked with the options, not torch's traceback once the model is built
+    assert main_error(monkeypatch, *adamw, "--optimizer.lr", "nan") == (
+        "lit_gmc: error: --optimizer.lr=nan: not a valid lr of AdamW (float | Tensor)"
+    )  # jsonargparse keeps the options and drops the class it could not build: the command line's is named
+    assert main_error(monkeypatch, *adamw, "--optimizer.lr=-1", "--optimizer.eps=-1") == (
+        "lit_gmc: error: --optimizer.lr=-1.0 --optimizer.eps=-1.0: AdamW refuses them (Invalid learning rate: -1.0)"
+    )
+    assert main_error(monkeypatch, "fit", "--optimizer.lr", "-1") == (
+        "lit_gmc: error: --optimizer.lr=-1: options without a class; give the class first (--optimizer "
+        "torch.optim.AdamW --optimizer.lr=-1)"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_refused_for_a_folder_in_use_writes_nothing(tmp_path, monkeypatch):
+    from lit_gmc.run_folder import lock_folder
+
+    monkeypatch.chdir(tmp_path)
+    held = lock_folder(tmp_path / "runs" / "addition_tiny" / "checkpoints")  # another run's, as flock sees it
+    try:
+        assert main_error(monkeypatch, "fit", "--trainer.max_steps", "2").startswith(
+            "lit_gmc: error: --checkpoint.dirpath runs/addition_tiny/checkpoints: another run (pid "
+        )
+    finally:
+        held.close()
+    assert [path.name for path in (tmp_path / "runs" / "addition_tiny").iterdir()] == [
+        ".checkpoints.lit_gmc.lock"  # the other run's lock; no TensorBoard version_0
+    ]
+
+
+def test_help_and_export_help_import_neither_torch_nor_lightning():
+    probe = (
+        "import sys, contextlib, io\nfrom lit_gmc.__main__ import run\n"
+        "for argv in (['--help'], ['export', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "        run(argv)\n"
+        "    print(argv[0], 'usage: lit_gmc' in out.getvalue())\n"
+        "print(sorted(name for name in ('torch', 'lightning', 'transformers') if name in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.stdout.splitlines() == ["--help True", "export True", "[]"], done.stderr[-2000:]
+
+
+class ParserBuilt(Exception):
+    def __init__(self, parser) -> None:
+        self.parser = parser
+
+
+class RawParser(GMCCLI):
+    """Builds fit's parser and hands it over: jsonargparse's own messages, before lit_gmc reads them."""
+
+    def parse_arguments(self, parser, args) -> None:
+        raise ParserBuilt(parser)
+
+
+@pytest.fixture(scope="module")
+def raw_parser():
+    with pytest.raises(ParserBuilt) as built:
+        RawParser(args=["fit"])
+    return built.value.parser
+
+
+def raw_message(parser, *argv: str) -> str:
+    from argparse import ArgumentError
+
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_args(["fit", *argv])
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "reader", "read"),
+    [
+        (["--data.schedule.delay", "soon"], "bad_value",
+         ("--data.schedule.delay", "--data.schedule.delay=soon: expected int")),
+        (["--model.correction", "GRPO", "--model.correction.cap", "0.3"], "foreign_option",
+         ("--model.correction.cap", "--model.correction.cap: GRPO has no option cap (its options: clip, aggregation)")),
+        (["--model.correction", "nope"], "unknown_rule",
+         ("--model.correction", "--model.correction=nope is not a rule: one of ")),
+        (["--data.engine", "Nope"], "unknown_component", ("--data.engine", "--data.engine=Nope is not a class: one of "
+         "HFEngine, VLLMEngine, VLLMServers, or a class's import path (my_project.module.MyClass)")),
+        (["--data.reward", "no_such_module.reward"], "unimportable_function", ("--data.reward",
+         "--data.reward=no_such_module.reward: cannot import no_such_module.reward")),
+    ],
+    ids=["bad-value", "foreign-option", "unknown-rule", "unknown-component", "unimportable-function"],
+)  # fmt: skip
+def test_each_jsonargparse_message_shape_read_is_still_the_installed_release_s(raw_parser, argv, reader, read):
+    """parse_errors reads jsonargparse's text where its errors carry no flag: a release that rewords one fails here."""
+    import lit_gmc.parse_errors as parse_errors
+
+    found = getattr(parse_errors, reader)(raw_message(raw_parser, *argv))
+    assert found is not None and found[0] == read[0] and found[1].startswith(read[1]), found
+
+
+def test_the_unknown_option_messages_read_are_still_the_installed_release_s(raw_parser, tmp_path):
+    from lit_gmc.parse_errors import unknown_options
+
+    names = ["trainer.max_steps", "data.group_size"]
+    message = raw_message(raw_parser, "--trainer.max_step", "7")
+    assert unknown_options(message, [], lambda: names) == (
+        "--trainer.max_step: no such option (did you mean --trainer.max_steps?)"
+    )
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  group_sise: 4\n")
+    argv = ["--config", str(typo)]
+    assert unknown_options(raw_message(raw_parser, *argv), argv, lambda: names) == (
+        f"--data.group_sise: no such option (did you mean --data.group_size?) (set in {typo})"
+    )
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [\n")
+    assert raw_message(raw_parser, "--config", str(broken)).startswith(("Problems parsing config", "Unexpected config"))
+
+
+def test_the_private_lightning_methods_lit_gmc_overrides_are_still_called():
+    """GMCCLI._parse_ckpt_path and UpdateProgressBar._get_train_description override private Lightning methods
+    (pyproject.toml pins the Lightning range): a release that renames or stops calling them fails here."""
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.cli import LightningCLI
+
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
+    assert list(inspect.signature(LightningCLI._parse_ckpt_path).parameters) == ["self"]
+    assert "self._get_train_description(" in inspect.getsource(RichProgressBar)
+    assert list(inspect.signature(RichProgressBar._get_train_description).parameters) == ["self", "current_epoch"]

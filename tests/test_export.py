@@ -50,9 +50,12 @@ def test_export_after_a_resume_loads_with_transformers(resumed_checkpoint, tmp_p
     config = resumed_checkpoint.parents[2] / "run.yaml"  # --ckpt_path last finds it through the run's config
     done = subprocess.run([sys.executable, "-m", "lit_gmc", "export", "--ckpt_path", "last", "--config", str(config),
                            "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    # (export reads --config through fit's own parser: any fit option that moves the run folder is honoured too)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == f"exported {resumed_checkpoint} -> {out}"
     assert out.stat().st_mode & 0o777 == 0o777 & ~lit_gmc.export.current_umask()  # as mkdir, not mkdtemp's 0o700
+    for written in out.iterdir():  # as any new file (0o644 under umask 022), not safetensors' private 0o600
+        assert written.stat().st_mode & 0o777 == 0o666 & ~lit_gmc.export.current_umask(), written.name
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.padding_side == "left"  # batched generation continues each prompt, not its padding
@@ -200,5 +203,5 @@ def test_export_s_last_without_a_checkpoint_names_the_folder_it_looked_in(tmp_pa
 
     config = write_config(tmp_path, "fresh", total=2)
     with pytest.raises(UserError, match=f"--ckpt_path last: no last\\*.ckpt in {tmp_path / 'fresh' / 'checkpoints'}"):
-        resolved_checkpoint("last", [str(config)])
+        resolved_checkpoint("last", ["--config", str(config)])
     assert resolved_checkpoint("some.ckpt", []) == "some.ckpt"

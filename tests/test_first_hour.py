@@ -170,6 +170,7 @@ def test_a_plug_in_task_whose_score_returns_none_is_one_line_naming_it(tmp_path,
         "lit_gmc: error: reward NoneScore.score (the task's reward) returned None for 4 completions; it must return "
         "a list of 4 numbers, one reward per completion"
     )
+    assert not list((tmp_path / "none").glob("version_*"))  # a run failed before its first update is no run to list
 
 
 class ParseOnly(GMCCLI):
@@ -398,20 +399,27 @@ def test_a_run_without_a_logger_name_is_named_after_its_task_and_model(tmp_path)
 def test_the_shipped_configs_name_their_run_folder_after_task_and_model_for_fit_and_export(configs, folder):
     from pathlib import Path
 
-    from lit_gmc.export import run_checkpoint_dir
+    from lit_gmc.cli import FitConfig
 
     paths = [str(Path(__file__).parents[1] / "configs" / name) for name in configs]
-    config = ParseOnly(args=["fit", *(arg for path in paths for arg in ("--config", path))]).config.fit
+    args = [arg for path in paths for arg in ("--config", path)]
+    config = ParseOnly(args=["fit", *args]).config.fit
     assert config.checkpoint.dirpath == f"{folder}/checkpoints"
-    assert run_checkpoint_dir(paths) == Path(folder, "checkpoints")  # export's --ckpt_path last looks there too
+    assert FitConfig(args).config.checkpoint.dirpath == f"{folder}/checkpoints"  # export's --ckpt_path last looks there
 
 
-def test_the_cli_offers_fit_and_export_under_its_own_name(capsys):
-    with pytest.raises(SystemExit):
-        GMCCLI(args=["--help"])
-    shown = capsys.readouterr().out
-    assert shown.startswith("usage: lit_gmc ") and "{fit}" in shown and "validate" not in shown
-    assert "export (a checkpoint to a transformers folder; lit_gmc export --help)" in " ".join(shown.split())
+def test_the_cli_offers_fit_and_export_under_its_own_name(capsys, monkeypatch):
+    from lit_gmc.__main__ import run
+
+    with pytest.raises(SystemExit) as shown_help:
+        run(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert shown_help.value.code == 0 and shown.startswith("usage: lit_gmc [-h] {fit,export} ...")
+    assert "fit train a policy on stale rollouts" in shown and "export write a checkpoint's policy" in shown
+    assert main_error_line(monkeypatch, "fti") == (
+        "lit_gmc: error: fti is not a command: one of fit, export (lit-gmc --help); did you mean fit?"
+    )
+    assert main_error_line(monkeypatch) == "lit_gmc: error: give a command: fit or export (lit-gmc --help)"
     with pytest.raises(UserError, match="invalid choice: 'validate' \\(choose from 'fit'\\)"):
         GMCCLI(args=["validate"])
 

@@ -15,6 +15,8 @@ import torch
 from run_helpers import component, fit, records, write_config
 from test_cli import parse
 
+import lit_gmc.resume
+from lit_gmc.cli import OPTION_OWNERS
 from lit_gmc.errors import UserError
 from lit_gmc.resume import SETTINGS_KEY, changed_settings, check_resume, checkpoint_file, read_checkpoint, run_settings
 
@@ -95,10 +97,10 @@ def test_what_may_change_is_not_compared():
     saved = settings_of("--data.schedule", "VirtualClock")
     now = settings_of("--data.schedule", "VirtualClock", "--data.schedule.overlap", "false", "--trainer.max_steps",
                       "9", "--model.micro_batch_groups", "2", "--model.gradient_checkpointing", "true")  # fmt: skip
-    assert changed_settings(saved, now) == []
+    assert changed_settings(saved, now, OPTION_OWNERS) == []
     now = settings_of("--data.schedule", "VirtualClock", "--data.schedule.lam", "5", "--trainer.precision", "64-true",
                       "--model.dtype", "float64", "--data.engine.batch_rows", "8")  # fmt: skip
-    changed = [line.split(":")[0] for line in changed_settings(saved, now)]
+    changed = [line.split(":")[0] for line in changed_settings(saved, now, OPTION_OWNERS)]
     assert changed == ["--model.dtype", "--data.engine.batch_rows", "--data.schedule.lam", "--trainer.precision"]
 
 
@@ -108,13 +110,13 @@ def test_rule_optimizer_and_schedule_options_are_compared_flag_by_flag():
     now = settings_of("--model.correction", "GRPO", "--model.correction.clip", "0.25", "--optimizer",
                       "torch.optim.SGD", "--optimizer.lr", "0.2", "--lr_scheduler.warmup_fraction", "0.2",
                       "--trainer.max_steps", "9")  # fmt: skip
-    assert changed_settings(saved, now) == [
+    assert changed_settings(saved, now, OPTION_OWNERS) == [
         "--model.correction.clip: 0.2 in the checkpoint, 0.25 now",
         "--optimizer.lr: 0.1 in the checkpoint, 0.2 now",
         "--lr_scheduler.warmup_fraction: 0.1 in the checkpoint, 0.2 now",
     ]  # the schedule's total_steps follows --trainer.max_steps, which may change
     other = settings_of("--model.correction", "TIC", "--optimizer", "torch.optim.AdamW")
-    assert changed_settings(saved, other) == [
+    assert changed_settings(saved, other, OPTION_OWNERS) == [
         "--model.correction: 'lit_gmc.rules.GRPO' in the checkpoint, 'lit_gmc.rules.TIC' now",
         "--optimizer: 'torch.optim.SGD' in the checkpoint, 'torch.optim.AdamW' now",
         "--lr_scheduler.warmup_fraction: 0.1 in the checkpoint, 0.0 now",
@@ -128,7 +130,7 @@ def test_a_checkpoint_from_before_the_settings_compares_its_hyperparameters(tmp_
     torch.save(old, tmp_path / "old.ckpt")
     now = settings_of("--data.group_size", "4", "--trainer.max_steps", "7")
     with pytest.raises(UserError, match="--data.group_size: 8 in the checkpoint, 4 now") as refused:
-        check_resume(str(tmp_path / "old.ckpt"), None, now)
+        check_resume(str(tmp_path / "old.ckpt"), None, now, OPTION_OWNERS)
     assert "--model.lr" not in str(refused.value) and "total_updates" not in str(refused.value)
 
 
@@ -172,3 +174,22 @@ def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path, content, why):
 def test_a_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"--ckpt_path {tmp_path / 'gone.ckpt'}: no such file"):
         parse("--ckpt_path", str(tmp_path / "gone.ckpt"))
+
+
+def test_each_class_declares_the_options_a_resume_may_change_and_resume_names_no_class():
+    """The class that owns an option says whether a resume may change it; a renamed option fails here, not silently."""
+    import inspect
+
+    from lit_gmc.data.engines.vllm import VLLMEngine
+    from lit_gmc.data.engines.vllm_serve import VLLMServers
+    from lit_gmc.data.schedules.live import Live
+    from lit_gmc.data.schedules.virtual_clock import VirtualClock
+    from lit_gmc.data.tasks.math import Math
+
+    for owner in (*OPTION_OWNERS.values(), VirtualClock, Live, VLLMEngine, VLLMServers, Math):
+        parameters = inspect.signature(owner.__init__).parameters
+        assert owner.may_change_on_resume and owner.may_change_on_resume <= set(parameters), owner.__name__
+    assert '"lit_gmc.' not in inspect.getsource(lit_gmc.resume)  # no class path kept as a string
+    saved = settings_of("--data.schedule", "Live")
+    now = settings_of("--data.schedule", "Live", "--data.schedule.join_timeout_s", "5", "--data.schedule.workers", "2")
+    assert changed_settings(saved, now, OPTION_OWNERS) == ["--data.schedule.workers: 1 in the checkpoint, 2 now"]

@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -157,6 +157,17 @@ class VLLMEngine(RolloutEngine):
         enable_prefix_caching: Reuse prompt KV across requests (reset on every weight load).
         seed: vLLM's engine seed (per-request seeds come from the sampling call).
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): memory and speed, not what is sampled.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset(
+        {
+            "sleep_between_rollouts",
+            "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "enforce_eager",
+            "enable_prefix_caching",
+        }
+    )
 
     def __init__(
         self,

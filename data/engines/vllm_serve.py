@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlparse
 
 import torch
@@ -152,6 +152,25 @@ class VLLMServers(RolloutEngine):
         seed: Launched servers' engine seed (each request carries its own seed).
         server_args: Extra command-line arguments for every launched server.
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): where the servers run and how weights reach them,
+    # not what they sample.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset(
+        {
+            "urls",
+            "launch",
+            "devices",
+            "backend",
+            "bucket_bytes",
+            "served_model",
+            "transfer_address",
+            "startup_timeout_s",
+            "request_timeout_s",
+            "kv_cache_memory_bytes",
+            "gpu_memory_utilization",
+            "server_args",
+        }
+    )
 
     def __init__(
         self,

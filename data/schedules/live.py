@@ -17,7 +17,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.schedules.base import Batch, DelaySchedule, batch_from_state, batch_state
@@ -52,6 +52,9 @@ class Live(DelaySchedule):
             paper warns that discarding by time or delay biases the data toward short responses).
         join_timeout_s: How long :meth:`close` waits for a worker to finish its current generation call.
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): how long a stop waits for the workers.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"join_timeout_s"})
 
     def __init__(
         self, workers: int = 1, chunk_prompts: int | None = None, max_staleness: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -72,6 +72,10 @@ class VirtualClock(DelaySchedule):
             generator in backward), where overlapped samples stop being reproducible (still lossless); turn
             overlap off there if runs must repeat exactly.
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): how launches are grouped and capped, not which
+    # delays the clock gives.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"overlap", "max_launches"})
 
     def __init__(
         self, c_gen: float = 85.0, lam: float = 28.0, c_update: float = 1.0, max_launches: int = 400,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from lit_gmc.data.tasks.base import Prompt, Task, prompts_in_chat_template
 from lit_gmc.data.tasks.math_data import (
@@ -43,6 +43,10 @@ class Math(Task):
         chat_template: Wrap each prompt (after the budget cut) in the engine tokenizer's chat template, as a user
             turn and the assistant's opening, for an instruction-tuned actor; off: the paper's plain two-shot text.
     """
+
+    # Options a resume may change (lit_gmc.resume asks the class): held-out prompts and the verifier's processes, not
+    # the training prompts or rewards.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"test_path", "verifier_workers"})
 
     def __init__(
         self,
