@@ -252,7 +252,7 @@ class Evaluation(pl.Callback):
         cut_at_next_problem: For the built scorer: score only the text before an invented next ``Problem:``
             line (a deviation from the paper, which scores the whole completion); match the training reward's.
         chat_template: Wrap each benchmark prompt, after the ``max_prompt_tokens`` cut, in the tokenizer's chat
-            template as a user turn and the assistant's opening (as ``--data.task.chat_template`` does for training
+            template as a user turn and the assistant's opening (as ``--data.chat_template`` does for training
             prompts: set both alike for an instruction-tuned actor); off: the plain benchmark prompt.
     """
 

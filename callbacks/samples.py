@@ -121,7 +121,9 @@ class Samples(Callback):
         delays = [step - int(batch.versions[r // batch.group_size]) for r in rows]
         rewards = [float(batch.rewards[r]) for r in rows]
         return samples_table(
-            tokenizer.batch_decode(prompts, skip_special_tokens=True),
+            # the prompt as the model sees it: a chat template's markers are special tokens, and prompts carry no
+            # padding here (the attention mask drops it)
+            tokenizer.batch_decode(prompts, skip_special_tokens=False),
             tokenizer.batch_decode(responses, skip_special_tokens=True),
             rewards,
             delays,

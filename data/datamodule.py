@@ -31,7 +31,14 @@ from lit_gmc.batch import RolloutBatch, collate_groups
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.engines.recompute import BehaviorRecompute
 from lit_gmc.data.schedules.base import Batch, DelaySchedule
-from lit_gmc.data.tasks.base import Prompt, PromptStream, Task, truncate_prompt
+from lit_gmc.data.tasks.base import (
+    Prompt,
+    PromptStream,
+    Task,
+    prompt_problem,
+    prompts_in_chat_template,
+    truncate_prompt,
+)
 from lit_gmc.data.tasks.reward import Reward
 from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
 from lit_gmc.errors import UserError
@@ -123,8 +130,13 @@ class RolloutDataModule(pl.LightningDataModule):
         schedule: Delay schedule: ``Sync`` (Algorithm 1), ``FixedDelay`` (a FIFO of ``delay`` batches),
             ``VirtualClock`` (the paper's simulated asynchrony, Appendix B.1) or ``Live`` (Algorithm 2: rollout
             worker threads beside the learner).
-        reward: Import path of a function ``(completions, answer) -> list[float]`` that replaces the task's own
-            ``score``, e.g. ``my_project.rewards.exact_match``; ``null`` keeps the task's reward.
+        reward: Import path of a reward function that replaces the task's own ``score``, e.g.
+            ``my_project.rewards.exact_match``; ``null`` keeps the task's reward. Either ``f(completions, answer) ->
+            list[float]`` (one prompt's completions and its reference answer) or a TRL reward function, called as TRL
+            calls it: one with ``**kwargs`` or a parameter named ``prompts``, ``solution`` or ``completion_ids``
+            (``trl.rewards.accuracy_reward`` works unchanged) gets ``prompts``, ``completions``, ``completion_ids``
+            and the answer as ``answer`` and ``solution``, by keyword, one entry per completion. ``None`` for a
+            completion is TRL's "skip this example" (no advantage for it).
         actor: Actor to sample with (``"tiny"``, a hub name or a local path); linked to ``--model.actor``.
         group_size: ``G``, responses per prompt.
         batch_prompts: ``B``, prompts per update.
@@ -135,6 +147,11 @@ class RolloutDataModule(pl.LightningDataModule):
             will see (after the task's own ``setup(tokenizer)``, chat template included); ``null`` keeps prompts
             whole. ``Math`` has its own ``max_prompt_tokens`` (the paper's 1,024), which cuts the two-shot text
             before a chat template wraps it: use that one for the paper's setup, this one for any other task.
+        chat_template: Wrap every training prompt of any task (built-in or plug-in) in the actor tokenizer's chat
+            template, as a user turn followed by the assistant's opening, for an instruction-tuned actor; done after
+            the task's ``setup(tokenizer)`` and before ``max_prompt_tokens``. TRL-style reward functions then get
+            prompts and completions as message lists, as TRL gives them for conversational data. A tokenizer
+            without a template is refused at start-up.
         temperature: Sampling temperature (the learner's log-probs use the same; linked).
         top_p: Nucleus mass.
         seed: Seed of the prompt order and the sampling noise.
@@ -160,6 +177,7 @@ class RolloutDataModule(pl.LightningDataModule):
         batch_prompts: int = 8,
         max_new_tokens: int = 6,
         max_prompt_tokens: int | None = None,
+        chat_template: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
@@ -172,9 +190,11 @@ class RolloutDataModule(pl.LightningDataModule):
                                                    total_updates, rank0_wait_hours, max_prompt_tokens))  # fmt: skip
         self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward"])
         self.task, self.engine, self.schedule = task, engine, schedule
-        self.score = Reward.of(reward, task)  # checked at start-up (its signature) and on every call (its result)
+        # checked at start-up (its signature) and on every call (its result)
+        self.score = Reward.of(reward, task, chat_template)
         self.schedule.plan(total_updates, batch_prompts)
         self.stream: PromptStream | None = None  # built in setup, once the task has the engine's tokenizer
+        self.task_prompts: dict[int, Prompt] = {}  # by id, as the task gave them: what TRL-style rewards see
         self.started = False
         self.rank, self.world = 0, 1  # set in setup; only rank 0 runs the engine and the schedule
         self.batches_launched = 0
@@ -281,7 +301,13 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.stream is None:  # once: a second fit with this DataModule continues the prompt order
             if isinstance(self.task, TokenizerSetup):
                 self.task.setup(self.engine.tokenizer)
-            prompts = self.task.train_prompts()
+            prompts = list(self.task.train_prompts())
+            problem = prompt_problem(type(self.task).__name__, prompts)
+            if problem:
+                raise UserError(problem)
+            self.task_prompts = {prompt.id: prompt for prompt in prompts}
+            if hp.chat_template:
+                prompts = prompts_in_chat_template(prompts, self.engine.tokenizer)
             if hp.max_prompt_tokens is not None:
                 prompts = within_budget(prompts, self.engine.tokenizer, hp.max_prompt_tokens)
             pairs = [(prompt.id, prompt.text) for prompt in prompts]
@@ -344,8 +370,10 @@ class RolloutDataModule(pl.LightningDataModule):
         completions = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         scored = []
         for b, group in enumerate(groups):
-            texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
-            rewards = self.score(texts, group.answer, group.prompt, group.prompt_id)  # the prompt: for TRL's form
+            part = slice(b * hp.group_size, (b + 1) * hp.group_size)
+            ids = [row[:length] for row, length in zip(rows[part], group.lengths.tolist(), strict=True)]  # unpadded
+            asked = self.task_prompts[group.prompt_id].text  # before the chat template: for TRL's form
+            rewards = self.score(completions[part], group.answer, asked, group.prompt_id, completion_ids=ids)
             scored.append(group.with_rewards(rewards, batch_id=launch_id))
         return scored
 

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="0 keeps prompts whole")
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each prompt (after the --max-prompt-tokens cut) in the actor tokenizer's chat "
-                        "template, as a user turn and the assistant's opening, as --data.task.chat_template does in "
+                        "template, as a user turn and the assistant's opening, as --data.chat_template does in "
                         "training (for an instruction-tuned actor)")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems of each benchmark")
     parser.add_argument("--seed", type=int, default=0)
