@@ -30,7 +30,7 @@ from lit_gmc.actor import context_problem, load_actor, resolve_actor_path
 from lit_gmc.batch import RolloutBatch, collate_groups
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.engines.recompute import BehaviorRecompute
-from lit_gmc.data.schedules.base import Batch, DelaySchedule
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, extension_problem
 from lit_gmc.data.tasks.base import (
     Prompt,
     PromptStream,
@@ -156,7 +156,13 @@ class RolloutDataModule(pl.LightningDataModule):
         top_p: Nucleus mass.
         seed: Seed of the prompt order and the sampling noise.
         total_updates: Planned number of optimizer updates (linked from ``--trainer.max_steps``); a resumed run
-            plans this many too, whatever the checkpoint's run planned.
+            plans this many too, whatever the checkpoint's run planned. Resumed with more, it goes on exactly as a run
+            planned that long from the start, provided its checkpoint precedes the schedule's drain (the updates at
+            the end for which it stops generating); otherwise see ``refill_on_extend``.
+        refill_on_extend: Let a resume plan more updates from a checkpoint taken after the schedule began its drain
+            (e.g. the ``last.ckpt`` of a finished run): the schedule refills from the current policy, as at a start,
+            so delays restart from 0 (a fill of the queue). Off: such a resume is refused with a message saying how
+            to extend.
         recompute_behavior_logprobs: Replace the engine's behaviour log-probs with the learner's computation on a
             copy of the same weights, with the learner's numerics (precision context, device, dtype, chunking), and
             log the gap removed (``schedule/engine_gap_abs_{mean,max}``); the copy is a second model on the
@@ -182,6 +188,7 @@ class RolloutDataModule(pl.LightningDataModule):
         top_p: float = 1.0,
         seed: int = 0,
         total_updates: int = 1000,
+        refill_on_extend: bool = False,
         recompute_behavior_logprobs: bool = False,
         rank0_wait_hours: float = 12.0,
     ) -> None:
@@ -427,6 +434,10 @@ class RolloutDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.rank != 0:
             return  # the checkpoint holds rank 0's schedule; the other ranks only receive shares
-        self.schedule.load_state_dict(state_dict["schedule"])
+        saved = state_dict["schedule"]
+        problem = extension_problem(saved, self.schedule.total_updates, type(self.schedule).__name__)
+        if problem and not self.hparams.refill_on_extend:
+            raise UserError(problem)
+        self.schedule.load_state_dict(saved)
         self.stream.load_state_dict(state_dict["stream"])
         self.batches_launched = state_dict["batches_launched"]

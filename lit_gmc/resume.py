@@ -44,6 +44,7 @@ COMPONENT_FLAGS = ("--model.correction", "--optimizer", "--lr_scheduler", *(f"--
 # Options outside the comparison: linked from another option (compared there) or allowed to change.
 MAY_CHANGE = frozenset({
     "--data.total_updates",  # linked from --trainer.max_steps: a resumed run may plan more updates
+    "--data.refill_on_extend",  # how such a resume continues a drained schedule
     "--lr_scheduler.total_steps",  # likewise (CosineWithWarmup's, filled in from --trainer.max_steps)
     "--data.actor", "--model.max_response_length", "--model.temperature",  # linked: --model.actor, --data.*
     "--model.optimizer", "--model.lr_scheduler",  # linked from --optimizer and --lr_scheduler, compared there
