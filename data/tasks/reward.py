@@ -61,6 +61,14 @@ def calling_convention(function: Callable, name: str) -> str:
     )
 
 
+def accepted_keywords(function: Callable) -> frozenset[str] | None:
+    """The keyword parameters of a TRL-style ``function``; ``None`` when it takes ``**kwargs`` (every keyword)."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
+
+
 def as_messages(completions: Sequence[str]) -> list[list[dict[str, str]]]:
     """Each completion as TRL gives it for a conversational prompt: one assistant message."""
     return [[{"role": "assistant", "content": text}] for text in completions]
@@ -103,6 +111,7 @@ class Reward:
         self.name = name
         self.chat = chat
         self.convention = calling_convention(function, name)
+        self.keywords = accepted_keywords(function) if self.convention == "trl" else None
         self.warned_scale = False
         self.warned_skip = False
 
@@ -153,10 +162,9 @@ class Reward:
             "completion_ids": ids,
             **{key: [answer] * count for key in TRL_ANSWER_NAMES},
         }
-        params = inspect.signature(self.function).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        if self.keywords is None:
             return arguments
-        return {key: value for key, value in arguments.items() if key in params}
+        return {key: value for key, value in arguments.items() if key in self.keywords}
 
     def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
         """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned.
