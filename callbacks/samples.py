@@ -64,7 +64,8 @@ class Samples(Callback):
     Needs: a training batch with the :class:`SampledBatch` fields, and a tokenizer with ``batch_decode``, passed as
     ``tokenizer`` or found as ``trainer.datamodule.tokenizer`` when training starts. Writes to every logger whose
     ``experiment`` has ``add_text`` (TensorBoard's ``SummaryWriter``), on global rank 0 only, at step
-    ``n = global_step - 1`` (the update's index, as its scalars). The delay of a row is ``n - version``.
+    ``n = global_step - 1`` (the update's index, as its scalars). The delay of a row is ``n - version``. Prompts are
+    decoded with their special tokens (a chat template's markers, as the model sees them), completions without.
 
     Args:
         every_n_steps: Updates between two logged tables (the first update is always logged).
