@@ -156,9 +156,20 @@ def file_suite(
 
 
 def correctness(
-    engine: GenerationEngine, tokenizer: Any, scorer: Scorer, prompts: Sequence[Any], n: int, sampling: Any
+    engine: GenerationEngine,
+    tokenizer: Any,
+    scorer: Scorer,
+    prompts: Sequence[Any],
+    n: int,
+    sampling: Any,
+    samples: list[dict[str, Any]] | None = None,
+    labels: Mapping[str, Any] | None = None,
 ) -> Tensor:
-    """``(P, n)`` 0/1 correctness of ``n`` responses to each prompt."""
+    """``(P, n)`` 0/1 correctness of ``n`` responses to each prompt.
+
+    With ``samples``, one row per response is appended to it: ``labels``, then ``problem`` (the prompt's index),
+    ``sample``, ``prompt``, ``answer``, ``completion`` and ``correct``.
+    """
     if not prompts:
         return torch.zeros(0, n)
     groups = engine.generate(prompts, n, sampling)
@@ -166,7 +177,13 @@ def correctness(
     for prompt, group in zip(prompts, groups, strict=True):
         texts = tokenizer.batch_decode(group.response_ids.tolist(), skip_special_tokens=True)
         pairs.extend((text, prompt.answer) for text in texts)
-    return torch.tensor(scorer.score_pairs(pairs), dtype=torch.float64).view(len(prompts), n)
+    values = scorer.score_pairs(pairs)
+    if samples is not None:
+        for index, ((text, answer), value) in enumerate(zip(pairs, values, strict=True)):
+            problem, sample = divmod(index, n)
+            samples.append({**(labels or {}), "problem": problem, "sample": sample, "prompt": prompts[problem].text,
+                            "answer": answer, "completion": text, "correct": float(value)})  # fmt: skip
+    return torch.tensor(values, dtype=torch.float64).view(len(prompts), n)
 
 
 def evaluate_suites(
@@ -176,10 +193,13 @@ def evaluate_suites(
     suites: Sequence[Suite],
     max_new_tokens: int,
     seed: int = 0,
+    samples: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Greedy (T = 0) and sampled (T = 1, top-p 1) evaluation of every suite, with macro averages.
 
-    Each suite is scored by its own scorer, or by ``scorer`` when it has none.
+    Each suite is scored by its own scorer, or by ``scorer`` when it has none. With ``samples``, every completion
+    is appended to it as one row (:func:`correctness`), labelled with its ``benchmark`` and ``mode`` (``greedy`` or
+    ``sampled``).
 
     Returns:
         ``{"benchmarks": {name: {"title", "problems", "n", "greedy", "avg@n", "pass@k"...}},
@@ -196,8 +216,10 @@ def evaluate_suites(
         scores = suite.scorer or scorer
         if scores is None:
             raise ValueError(f"benchmark {suite.name!r} has no scorer of its own and none was given")
-        first = correctness(engine, tokenizer, scores, suite.prompts, 1, greedy)[:, 0]  # (P,)
-        many = correctness(engine, tokenizer, scores, suite.prompts, suite.n, sampled)  # (P, n)
+        first = correctness(engine, tokenizer, scores, suite.prompts, 1, greedy, samples,
+                            {"benchmark": suite.name, "mode": "greedy"})[:, 0]  # (P,)  # fmt: skip
+        many = correctness(engine, tokenizer, scores, suite.prompts, suite.n, sampled, samples,
+                           {"benchmark": suite.name, "mode": "sampled"})  # (P, n)  # fmt: skip
         accuracy, avg, pass_k = GreedyAccuracy(), AvgAtN(suite.n), PassAtK(suite.n, suite.ks)
         for metric, values in ((accuracy, first), (avg, many), (pass_k, many)):
             metric.update(values)
@@ -252,7 +274,7 @@ class Evaluation(pl.Callback):
         cut_at_next_problem: For the built scorer: score only the text before an invented next ``Problem:``
             line (a deviation from the paper, which scores the whole completion); match the training reward's.
         chat_template: Wrap each benchmark prompt, after the ``max_prompt_tokens`` cut, in the tokenizer's chat
-            template as a user turn and the assistant's opening (as ``--data.task.chat_template`` does for training
+            template as a user turn and the assistant's opening (as ``--data.chat_template`` does for training
             prompts: set both alike for an instruction-tuned actor); off: the plain benchmark prompt.
     """
 

@@ -64,7 +64,8 @@ class Samples(Callback):
     Needs: a training batch with the :class:`SampledBatch` fields, and a tokenizer with ``batch_decode``, passed as
     ``tokenizer`` or found as ``trainer.datamodule.tokenizer`` when training starts. Writes to every logger whose
     ``experiment`` has ``add_text`` (TensorBoard's ``SummaryWriter``), on global rank 0 only, at step
-    ``n = global_step - 1`` (the update's index, as its scalars). The delay of a row is ``n - version``.
+    ``n = global_step - 1`` (the update's index, as its scalars). The delay of a row is ``n - version``. Prompts are
+    decoded with their special tokens (a chat template's markers, as the model sees them), completions without.
 
     Args:
         every_n_steps: Updates between two logged tables (the first update is always logged).
@@ -121,7 +122,9 @@ class Samples(Callback):
         delays = [step - int(batch.versions[r // batch.group_size]) for r in rows]
         rewards = [float(batch.rewards[r]) for r in rows]
         return samples_table(
-            tokenizer.batch_decode(prompts, skip_special_tokens=True),
+            # the prompt as the model sees it: a chat template's markers are special tokens, and prompts carry no
+            # padding here (the attention mask drops it)
+            tokenizer.batch_decode(prompts, skip_special_tokens=False),
             tokenizer.batch_decode(responses, skip_special_tokens=True),
             rewards,
             delays,

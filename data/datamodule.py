@@ -30,8 +30,15 @@ from lit_gmc.actor import context_problem, load_actor, resolve_actor_path
 from lit_gmc.batch import RolloutBatch, collate_groups
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.engines.recompute import BehaviorRecompute
-from lit_gmc.data.schedules.base import Batch, DelaySchedule
-from lit_gmc.data.tasks.base import Prompt, PromptStream, Task, truncate_prompt
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, extension_problem
+from lit_gmc.data.tasks.base import (
+    Prompt,
+    PromptStream,
+    Task,
+    prompt_problem,
+    prompts_in_chat_template,
+    truncate_prompt,
+)
 from lit_gmc.data.tasks.reward import Reward
 from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
 from lit_gmc.errors import UserError
@@ -123,8 +130,13 @@ class RolloutDataModule(pl.LightningDataModule):
         schedule: Delay schedule: ``Sync`` (Algorithm 1), ``FixedDelay`` (a FIFO of ``delay`` batches),
             ``VirtualClock`` (the paper's simulated asynchrony, Appendix B.1) or ``Live`` (Algorithm 2: rollout
             worker threads beside the learner).
-        reward: Import path of a function ``(completions, answer) -> list[float]`` that replaces the task's own
-            ``score``, e.g. ``my_project.rewards.exact_match``; ``null`` keeps the task's reward.
+        reward: Import path of a reward function that replaces the task's own ``score``, e.g.
+            ``my_project.rewards.exact_match``; ``null`` keeps the task's reward. Either ``f(completions, answer) ->
+            list[float]`` (one prompt's completions and its reference answer) or a TRL reward function, called as TRL
+            calls it: one with ``**kwargs`` or a parameter named ``prompts``, ``solution`` or ``completion_ids``
+            (``trl.rewards.accuracy_reward`` works unchanged) gets ``prompts``, ``completions``, ``completion_ids``
+            and the answer as ``answer`` and ``solution``, by keyword, one entry per completion. ``None`` for a
+            completion is TRL's "skip this example" (no advantage for it).
         actor: Actor to sample with (``"tiny"``, a hub name or a local path); linked to ``--model.actor``.
         group_size: ``G``, responses per prompt.
         batch_prompts: ``B``, prompts per update.
@@ -135,11 +147,22 @@ class RolloutDataModule(pl.LightningDataModule):
             will see (after the task's own ``setup(tokenizer)``, chat template included); ``null`` keeps prompts
             whole. ``Math`` has its own ``max_prompt_tokens`` (the paper's 1,024), which cuts the two-shot text
             before a chat template wraps it: use that one for the paper's setup, this one for any other task.
+        chat_template: Wrap every training prompt of any task (built-in or plug-in) in the actor tokenizer's chat
+            template, as a user turn followed by the assistant's opening, for an instruction-tuned actor; done after
+            the task's ``setup(tokenizer)`` and before ``max_prompt_tokens``. TRL-style reward functions then get
+            prompts and completions as message lists, as TRL gives them for conversational data. A tokenizer
+            without a template is refused at start-up.
         temperature: Sampling temperature (the learner's log-probs use the same; linked).
         top_p: Nucleus mass.
         seed: Seed of the prompt order and the sampling noise.
         total_updates: Planned number of optimizer updates (linked from ``--trainer.max_steps``); a resumed run
-            plans this many too, whatever the checkpoint's run planned.
+            plans this many too, whatever the checkpoint's run planned. Resumed with more, it goes on exactly as a run
+            planned that long from the start, provided its checkpoint precedes the schedule's drain (the updates at
+            the end for which it stops generating); otherwise see ``refill_on_extend``.
+        refill_on_extend: Let a resume plan more updates from a checkpoint taken after the schedule began its drain
+            (e.g. the ``last.ckpt`` of a finished run): the schedule refills from the current policy, as at a start,
+            so delays restart from 0 (a fill of the queue). Off: such a resume is refused with a message saying how
+            to extend.
         recompute_behavior_logprobs: Replace the engine's behaviour log-probs with the learner's computation on a
             copy of the same weights, with the learner's numerics (precision context, device, dtype, chunking), and
             log the gap removed (``schedule/engine_gap_abs_{mean,max}``); the copy is a second model on the
@@ -151,7 +174,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # Options a resume may change (lit_gmc.resume asks the class): linked from --trainer.max_steps: a finished run may
     # go on.
-    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"total_updates"})
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"total_updates", "refill_on_extend"})
 
     def __init__(
         self,
@@ -164,10 +187,12 @@ class RolloutDataModule(pl.LightningDataModule):
         batch_prompts: int = 8,
         max_new_tokens: int = 6,
         max_prompt_tokens: int | None = None,
+        chat_template: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
         total_updates: int = 1000,
+        refill_on_extend: bool = False,
         recompute_behavior_logprobs: bool = False,
         rank0_wait_hours: float = 12.0,
     ) -> None:
@@ -176,9 +201,11 @@ class RolloutDataModule(pl.LightningDataModule):
                                                    total_updates, rank0_wait_hours, max_prompt_tokens))  # fmt: skip
         self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward"])
         self.task, self.engine, self.schedule = task, engine, schedule
-        self.score = Reward.of(reward, task)  # checked at start-up (its signature) and on every call (its result)
+        # checked at start-up (its signature) and on every call (its result)
+        self.score = Reward.of(reward, task, chat_template)
         self.schedule.plan(total_updates, batch_prompts)
         self.stream: PromptStream | None = None  # built in setup, once the task has the engine's tokenizer
+        self.task_prompts: dict[int, Prompt] = {}  # by id, as the task gave them: what TRL-style rewards see
         self.started = False
         self.rank, self.world = 0, 1  # set in setup; only rank 0 runs the engine and the schedule
         self.batches_launched = 0
@@ -285,7 +312,13 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.stream is None:  # once: a second fit with this DataModule continues the prompt order
             if isinstance(self.task, TokenizerSetup):
                 self.task.setup(self.engine.tokenizer)
-            prompts = self.task.train_prompts()
+            prompts = list(self.task.train_prompts())
+            problem = prompt_problem(type(self.task).__name__, prompts)
+            if problem:
+                raise UserError(problem)
+            self.task_prompts = {prompt.id: prompt for prompt in prompts}
+            if hp.chat_template:
+                prompts = prompts_in_chat_template(prompts, self.engine.tokenizer)
             if hp.max_prompt_tokens is not None:
                 prompts = within_budget(prompts, self.engine.tokenizer, hp.max_prompt_tokens)
             pairs = [(prompt.id, prompt.text) for prompt in prompts]
@@ -348,8 +381,10 @@ class RolloutDataModule(pl.LightningDataModule):
         completions = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         scored = []
         for b, group in enumerate(groups):
-            texts = completions[b * hp.group_size : (b + 1) * hp.group_size]
-            rewards = self.score(texts, group.answer, group.prompt, group.prompt_id)  # the prompt: for TRL's form
+            part = slice(b * hp.group_size, (b + 1) * hp.group_size)
+            ids = [row[:length] for row, length in zip(rows[part], group.lengths.tolist(), strict=True)]  # unpadded
+            asked = self.task_prompts[group.prompt_id].text  # before the chat template: for TRL's form
+            rewards = self.score(completions[part], group.answer, asked, group.prompt_id, completion_ids=ids)
             scored.append(group.with_rewards(rewards, batch_id=launch_id))
         return scored
 
@@ -403,6 +438,10 @@ class RolloutDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.rank != 0:
             return  # the checkpoint holds rank 0's schedule; the other ranks only receive shares
-        self.schedule.load_state_dict(state_dict["schedule"])
+        saved = state_dict["schedule"]
+        problem = extension_problem(saved, self.schedule.total_updates, type(self.schedule).__name__)
+        if problem and not self.hparams.refill_on_extend:
+            raise UserError(problem)
+        self.schedule.load_state_dict(saved)
         self.stream.load_state_dict(state_dict["stream"])
         self.batches_launched = state_dict["batches_launched"]

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_gmc.distributed import any_rank, open_rank0_channel, rank_and_world, wait_for_rank0
@@ -52,6 +52,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 # Lightning warns that, under manual optimization, a step checkpoint holds the weights *after* that step's update.
 # That is the state we want: a checkpoint at global_step n holds theta_n, the policy version n the engine samples.
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning)
+
+
+NOT_EMPTY = "exists and is not empty"
+"""Part of Lightning's warning about a checkpoint folder that already holds files."""
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -99,15 +103,31 @@ class RunCheckpoint(ModelCheckpoint):
         self.at_steps = frozenset(at_steps or ())
         self.sigterm_noted = False
         self._lightning_sigterm_handler: Any = None
+        self._held_warnings: list[str] = []  # Lightning's from setup, shown in on_train_start unless resuming
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        # Lightning warns here that the folder "exists and is not empty", before it knows whether the run resumes
+        # (its checkpoint is read after setup); the warning is held until on_train_start and shown only for a run
+        # that did not resume from a checkpoint, since a resumed run's folder holds its own checkpoints.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().setup(trainer, pl_module, stage)
+        self._held_warnings = []
+        for warning in caught:
+            if NOT_EMPTY in str(warning.message):
+                self._held_warnings.append(str(warning.message))
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         open_rank0_channel()  # the DataModule's setup has made it, with its timeout, unless another DataModule is used
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path is None:
+            for message in self._held_warnings:
+                rank_zero_warn(message)
+        self._held_warnings = []
         wait_for_rank0()  # the first publish of the weights (WeightSync), before the first update's collectives
         # Lightning has installed its handler just before training starts and restores the previous one at teardown.
         self.sigterm_noted = False

@@ -31,6 +31,7 @@ from lit_gmc.data.datamodule import RolloutDataModule, TokenizerSetup
 from lit_gmc.data.engines import vllm, vllm_serve  # noqa: F401  (the short names VLLMEngine, VLLMServers, ...)
 from lit_gmc.data.schedules import live, virtual_clock  # noqa: F401
 from lit_gmc.data.tasks import addition, math  # noqa: F401
+from lit_gmc.data.tasks.base import prompt_problem
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem, refused_options
@@ -323,8 +324,9 @@ class GMCCLI(LightningCLI):
         task, config = self.datamodule.task, self.subcommand_config()
         if isinstance(task, TokenizerSetup):  # its prompts exist once the engine's tokenizer has set it up
             return
+        problem = prompt_problem(type(task).__name__, task.train_prompts())
         prompts = [(prompt.id, prompt.text) for prompt in task.train_prompts()]
-        problem = tiny_alphabet_problem(prompts) if config.model.actor == "tiny" else None
+        problem = problem or (tiny_alphabet_problem(prompts) if config.model.actor == "tiny" else None)
         if config.data.max_prompt_tokens is None:
             problem = problem or context_problem(config.model.actor, prompts, config.data.max_new_tokens)
         if problem:

@@ -1,18 +1,23 @@
 """Evaluate a saved Lightning checkpoint (or any actor) on the paper's benchmarks with the HF engine.
 
-Writes a JSON of per-benchmark results (greedy accuracy, avg@n, pass@k, macro averages) and prints the
-paper's Table 1 layout, "greedy / avg@n" in percent per benchmark. Examples::
+Writes a JSON of per-benchmark results (greedy accuracy, avg@n, pass@k, macro averages), every completion beside it
+(``eval.json`` -> ``eval.completions.jsonl``, one row per sample: benchmark, mode, problem, sample, prompt, answer,
+completion, correct), and prints one row per benchmark: greedy, avg@n and pass@k in percent. Examples::
 
     python scripts/evaluate.py --ckpt runs/addition_tiny/checkpoints/last.ckpt --benchmarks amc23 gsm8k \
         --max-new-tokens 6 --max-prompt-tokens 58 --samples 2 --limit 8 --output eval.json
     python scripts/evaluate.py --actor Qwen/Qwen3-1.7B-Base --device cuda --output base.json
 
-Benchmarks are read from their hub datasets by default; ``--data-dir ../shared/data`` reads the local copies
-instead, and ``--source NAME=PATH`` overrides one benchmark (a JSONL file, a dataset folder or a hub name).
-``--benchmark-file`` adds a benchmark of your own, as the ``Evaluation`` callback's ``BenchmarkFile`` in JSON
-(``--benchmarks`` with no name then leaves out the paper's)::
+The paper's six benchmarks are evaluated unless ``--benchmark-file`` is given (then only the files, plus any
+``--benchmarks`` named). They are read from their hub datasets by default; ``--data-dir ../shared/data`` reads the
+local copies instead, and ``--source NAME=PATH`` overrides one benchmark (a JSONL file, a dataset folder or a hub
+name). ``--benchmark-file`` is a benchmark of your own: the path of a JSON/JSONL file (columns ``question`` and
+``answer``, prompt = the question), or the ``Evaluation`` callback's ``BenchmarkFile`` as inline JSON. Each needs a
+scorer, its own (``"scorer"`` in the JSON) or ``--scorer`` (an import path, or ``math`` for the paper's last
+``\boxed{}`` + math-verify)::
 
-    python scripts/evaluate.py --ckpt last.ckpt --benchmarks --benchmark-file \
+    python scripts/evaluate.py --ckpt last.ckpt --benchmark-file sums.jsonl --scorer my_project.exact_match
+    python scripts/evaluate.py --ckpt last.ckpt --benchmark-file \
         '{"name": "sums", "path": "sums.jsonl", "template": "{question}=", "scorer": "my_project.exact_match"}'
 A checkpoint is a file or the sharded folder FSDP2 writes; with ``--ckpt``, ``--actor`` names a local copy of the
 checkpoint's actor (for a hub actor on an offline machine). A mistake in an option, a data file or the
@@ -48,10 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint of lit_gmc fit, a file or a sharded folder (its actor.* weights)")  # fmt: skip
     parser.add_argument("--actor", help='"tiny", a hub name or a local path of a causal LM, evaluated as is; '
                         "with --ckpt, the model its weights go into (default: the checkpoint's actor)")  # fmt: skip
-    parser.add_argument("--benchmarks", nargs="*", default=list(PAPER_BENCHMARKS), choices=list(BENCHMARKS))
-    parser.add_argument("--benchmark-file", action="append", default=[], metavar="JSON",
-                        help='a benchmark of your own: {"name", "path", "question", "answer", "template", "scorer", '
-                        '"samples", "title"} as the Evaluation callback\'s BenchmarkFile (repeatable)')  # fmt: skip
+    parser.add_argument("--benchmarks", nargs="*", default=None, choices=list(BENCHMARKS),
+                        help="the paper's benchmarks to run (default: all six, or none when --benchmark-file is "
+                        "given)")  # fmt: skip
+    parser.add_argument("--benchmark-file", action="append", default=[], metavar="PATH|JSON",
+                        help="a benchmark of your own, evaluated instead of the paper's: a JSON/JSONL file with "
+                        'question and answer columns, or inline JSON {"name", "path", "question", "answer", '
+                        '"template", "scorer", "samples", "title"} as the Evaluation callback\'s BenchmarkFile '
+                        "(repeatable)")  # fmt: skip
+    parser.add_argument("--scorer", default=None, metavar="IMPORT_PATH",
+                        help="scorer of the --benchmark-file benchmarks that name none: a function (completions, "
+                        "answer) -> 0/1 list by import path, or math (last \\boxed{} + math-verify)")  # fmt: skip
     parser.add_argument("--data-dir", default=None, help="folder of local benchmark copies (default: the hub)")
     parser.add_argument(
         "--source",
@@ -71,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="0 keeps prompts whole")
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each prompt (after the --max-prompt-tokens cut) in the actor tokenizer's chat "
-                        "template, as a user turn and the assistant's opening, as --data.task.chat_template does in "
+                        "template, as a user turn and the assistant's opening, as --data.chat_template does in "
                         "training (for an instruction-tuned actor)")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems of each benchmark")
     parser.add_argument("--seed", type=int, default=0)
@@ -98,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.files = [parse_benchmark_file(text) for text in args.benchmark_file]
     except ValueError as err:
         problems.append(str(err))
+    problems += scorer_problems(getattr(args, "files", []), args.scorer)
+    if args.scorer not in (None, "math"):  # math: the default scorer, given to files without one
+        args.files = [spec if spec.scorer else replace(spec, scorer=args.scorer) for spec in getattr(args, "files", [])]
+    if args.benchmarks is None:
+        args.benchmarks = [] if args.benchmark_file else list(PAPER_BENCHMARKS)
     names = args.benchmarks + [spec.name for spec in getattr(args, "files", [])]
     if not names:
         problems.append("no benchmark: name some with --benchmarks or add --benchmark-file")
@@ -130,8 +147,25 @@ def parse_sources(pairs: list[str]) -> dict[str, str]:
     return sources
 
 
+def scorer_problems(files: list[BenchmarkFile], scorer: str | None) -> list[str]:
+    """A benchmark file without a scorer, when ``--scorer`` does not give one (a silent math scorer scored 0.0)."""
+    unscored = [spec.name for spec in files if spec.scorer is None]
+    if not unscored or scorer is not None:
+        return []
+    return [f"--benchmark-file {', '.join(unscored)}: no scorer; give --scorer my_project.exact_match (a function "
+            '(completions, answer) -> list of 0/1), --scorer math (last \\boxed{} + math-verify), or "scorer" in '
+            "its inline JSON"]  # fmt: skip
+
+
 def parse_benchmark_file(text: str) -> BenchmarkFile:
-    """A ``--benchmark-file`` JSON object as a :class:`BenchmarkFile`; raises ``ValueError`` naming the mistake."""
+    """A ``--benchmark-file`` value as a :class:`BenchmarkFile`: a file's path, or inline JSON (starting with ``{``).
+
+    A path becomes ``BenchmarkFile(name=<file stem>, path=<path>)``. Raises ``ValueError`` naming the mistake.
+    """
+    if not text.lstrip().startswith(("{", "[")):
+        if not Path(text).is_file():
+            raise ValueError(f"--benchmark-file {text}: no such file (give a JSON/JSONL file or inline JSON)")
+        return BenchmarkFile(name=Path(text).name.split(".")[0], path=text)
     try:
         fields = json.loads(text)
         if not isinstance(fields, dict):
@@ -159,16 +193,26 @@ def load_benchmarks(args: argparse.Namespace) -> list[Benchmark]:
 
 
 def table(results: dict[str, Any]) -> str:
-    """The paper's Table 1 layout: one row per benchmark, "greedy / avg@n" in percent, then the macro average."""
-    lines = [f"{'benchmark':<16}{'greedy / avg@n':>18}{'n':>5}{'problems':>10}{'skipped':>9}"]
-    for entry in results["benchmarks"].values():
-        cell = f"{100 * entry['greedy']:.1f} / {100 * entry['avg@n']:.1f}"
+    """One row per benchmark, in percent: greedy, avg@n (the paper's Table 1 pair) and every pass@k; then the macro
+    average. A pass@k above a benchmark's n is ``-``."""
+    entries = results["benchmarks"].values()
+    ks = sorted({int(key[5:]) for entry in entries for key in entry if key.startswith("pass@")})
+    head = f"{'benchmark':<16}{'greedy':>8}{'avg@n':>8}{'n':>4}" + "".join(f"{f'pass@{k}':>9}" for k in ks)
+    lines = [head + f"{'problems':>10}{'skipped':>9}"]
+    for entry in entries:
+        passes = "".join(f"{100 * entry[f'pass@{k}']:>9.1f}" if f"pass@{k}" in entry else f"{'-':>9}" for k in ks)
         skipped = entry.get("skipped", 0)  # rows without a reference answer, left out
-        lines.append(f"{entry['title']:<16}{cell:>18}{entry['n']:>5}{entry['problems']:>10}{skipped:>9}")
+        lines.append(f"{entry['title']:<16}{100 * entry['greedy']:>8.1f}{100 * entry['avg@n']:>8.1f}{entry['n']:>4}"
+                     f"{passes}{entry['problems']:>10}{skipped:>9}")  # fmt: skip
     macro = results["macro"]
-    cell = f"{100 * macro['greedy']:.1f} / {100 * macro['avg@n']:.1f}"
-    lines.append(f"{'macro average':<16}{cell:>18}")
+    lines.append(f"{'macro average':<16}{100 * macro['greedy']:>8.1f}{100 * macro['avg@n']:>8.1f}")
     return "\n".join(lines)
+
+
+def completions_path(output: str) -> Path:
+    """Where the completions go: beside ``output``, ``eval.json`` -> ``eval.completions.jsonl``."""
+    path = Path(output)
+    return path.with_name(path.stem + ".completions.jsonl")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -212,11 +256,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         return scorers[0]
 
     start = time.perf_counter()
+    samples: list[dict[str, Any]] = []
     try:
         suites = [replace(suite, scorer=math_scorer()) for suite in suites]
         suites += [file_suite(spec, tokenizer, math_scorer, args.ks, args.samples, args.limit, max_prompt,
                               args.chat_template, "--chat-template") for spec in args.files]  # fmt: skip
-        results = evaluate_suites(engine, tokenizer, None, suites, args.max_new_tokens, args.seed)
+        results = evaluate_suites(engine, tokenizer, None, suites, args.max_new_tokens, args.seed, samples)
     finally:
         for scorer in scorers:
             scorer.close()
@@ -224,8 +269,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "source", "files")}
     report = {"actor": actor, "settings": settings, "seconds": round(time.perf_counter() - start, 2), **results}
     Path(args.output).write_text(json.dumps(report, indent=2))
+    completions = completions_path(args.output)
+    completions.write_text("".join(json.dumps(row) + "\n" for row in samples))
     print(table(results))
-    print(f"wrote {args.output}")
+    print(f"wrote {args.output} and {completions} ({len(samples)} completions)")
     return report
 
 

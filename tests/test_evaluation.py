@@ -345,7 +345,7 @@ def test_evaluate_script_prints_the_table_and_writes_json(trained, shared_data, 
         "--verifier-workers", "1", "--output", str(out),
     ])  # fmt: skip
     printed = capsys.readouterr().out
-    assert "greedy / avg@n" in printed and "AMC23" in printed and "GSM8K" in printed and "macro average" in printed
+    assert "greedy   avg@n" in printed and "AMC23" in printed and "GSM8K" in printed and "macro average" in printed
     report = json.loads(out.read_text())
     assert report["actor"] == "tiny" and set(report["benchmarks"]) == {"amc23", "gsm8k"}
     assert report["benchmarks"]["amc23"]["problems"] == 3 and "pass@2" in report["benchmarks"]["gsm8k"]
@@ -361,17 +361,33 @@ def test_evaluate_script_rejects_bad_options(capsys):
     assert "--source 'mmlu=x.jsonl' must be NAME=PATH" in capsys.readouterr().err
 
 
-def test_evaluate_script_takes_a_benchmark_file_of_ones_own(tmp_path, capsys):
-    sums = write_jsonl(tmp_path / "sums.jsonl", [{"expr": f"{a}+{a}", "sum": 2 * a} for a in range(4)])
-    spec = {"name": "sums", "path": str(sums), "question": "expr", "answer": "sum", "template": "{question}=",
-            "scorer": "test_evaluation.exact_match", "samples": 2, "title": "Sums"}  # fmt: skip
+def test_evaluate_script_evaluates_a_benchmark_file_alone_and_writes_every_completion(tmp_path, capsys):
+    sums = write_jsonl(tmp_path / "sums.jsonl", [{"question": f"{a}+{a}=", "answer": 2 * a} for a in range(4)])
     out = tmp_path / "results.json"
-    load_script().main(["--actor", "tiny", "--benchmarks", "--benchmark-file", json.dumps(spec), "--limit", "3",
-                        "--max-new-tokens", "3", "--output", str(out)])  # fmt: skip
+    load_script().main(["--actor", "tiny", "--benchmark-file", str(sums), "--scorer", "test_evaluation.exact_match",
+                        "--samples", "2", "--limit", "3", "--max-new-tokens", "3", "--output", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
-    assert list(report["benchmarks"]) == ["sums"] and report["benchmarks"]["sums"]["problems"] == 3
-    assert report["benchmarks"]["sums"]["n"] == 2 and "pass@2" in report["benchmarks"]["sums"]
-    assert "Sums" in capsys.readouterr().out
+    assert list(report["benchmarks"]) == ["sums"]  # the paper's six are not read (no hub access)
+    entry = report["benchmarks"]["sums"]
+    passes = sorted(key for key in entry if key.startswith("pass@"))
+    assert (entry["problems"], entry["n"], passes) == (3, 2, ["pass@1", "pass@2"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split() == ["benchmark", "greedy", "avg@n", "n", "pass@1", "pass@2", "problems", "skipped"]
+    cells = [f"{100 * entry[key]:.1f}" for key in ("greedy", "avg@n", "pass@1", "pass@2")]
+    assert printed[1].split() == ["sums", *cells[:2], "2", *cells[2:], "3", "0"]
+    rows = [json.loads(line) for line in (tmp_path / "results.completions.jsonl").read_text().splitlines()]
+    assert printed[-1] == f"wrote {out} and {tmp_path / 'results.completions.jsonl'} (9 completions)"
+    assert [(r["mode"], r["problem"], r["sample"]) for r in rows] == [("greedy", p, 0) for p in range(3)] + [
+        ("sampled", p, s) for p in range(3) for s in range(2)
+    ]
+    assert {(r["benchmark"], r["prompt"], r["answer"]) for r in rows} == {
+        ("sums", f"{a}+{a}=", str(2 * a)) for a in range(3)
+    }
+    for row in rows:
+        assert row["correct"] == float(row["completion"] == row["answer"])
+    greedy = [r["correct"] for r in rows if r["mode"] == "greedy"]
+    sampled = [r["correct"] for r in rows if r["mode"] == "sampled"]
+    assert (entry["greedy"], entry["avg@n"]) == (pytest.approx(sum(greedy) / 3), pytest.approx(sum(sampled) / 6))
 
 
 def test_evaluate_script_names_benchmark_file_mistakes(capsys):
@@ -379,9 +395,14 @@ def test_evaluate_script_names_benchmark_file_mistakes(capsys):
     for argv, message in [
         (["--benchmark-file", "[1]"], "--benchmark-file '[1]': not a JSON object"),
         (["--benchmark-file", '{"name": "x"}'], "missing 1 required positional argument: 'path'"),
-        (["--benchmark-file", '{"name": "gsm8k", "path": "a.jsonl"}'], "benchmark names must be distinct"),
+        (["--benchmarks", "gsm8k", "--benchmark-file", '{"name": "gsm8k", "path": "a.jsonl", "scorer": "m.f"}'],
+         "benchmark names must be distinct"),
         (["--benchmarks"], "no benchmark: name some with --benchmarks or add --benchmark-file"),
-    ]:
+        (["--benchmark-file", "no/such.jsonl"], "--benchmark-file no/such.jsonl: no such file (give a JSON/JSONL file "
+                                                "or inline JSON)"),
+        (["--benchmark-file", '{"name": "x", "path": "a.jsonl"}'], "--benchmark-file x: no scorer; give --scorer "
+                                                                   "my_project.exact_match"),
+    ]:  # fmt: skip
         with pytest.raises(SystemExit):
             script.parse_args(["--actor", "tiny", *argv])
         assert message in capsys.readouterr().err, argv

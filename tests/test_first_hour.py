@@ -98,12 +98,12 @@ def takes_three(completions, answer, extra):
     [(None, r"returned None for 2 completions; it must return a list of 2 numbers"),
      (1.0, r"returned 1.0 for 2 completions"),
      ([1.0], r"returned 1 values for 2 completions"),
-     ([1.0, "yes"], r"returned 'yes' among its rewards"),
-     ([1.0, None], r"returned None among its rewards")],
+     ([1.0, "yes"], r"returned 'yes' among its rewards")],
 )  # fmt: skip
 def test_a_bad_return_is_one_message_naming_the_function(returned, message):
     reward = Reward(lambda completions, answer: returned, "--data.reward my.bad_reward")
-    with pytest.raises(UserError, match=r"^reward --data.reward my.bad_reward " + message):
+    convention = re.escape(", called as f(completions, answer), ")
+    with pytest.raises(UserError, match=r"^reward --data.reward my.bad_reward" + convention + message):
         reward(["a", "b"], "a")
 
 
@@ -111,7 +111,7 @@ def test_a_wrong_signature_is_refused_when_the_datamodule_is_built():
     from run_helpers import tiny_data
 
     with pytest.raises(UserError, match=r"reward --data.reward .*takes_three\(completions, answer, extra\) takes "
-                                        r"neither \(completions, answer\) nor TRL's"):  # fmt: skip
+                                        r"neither \(completions, answer\) nor TRL's keywords"):  # fmt: skip
         tiny_data(reward=takes_three)
 
 
@@ -167,8 +167,8 @@ def test_a_plug_in_task_whose_score_returns_none_is_one_line_naming_it(tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path))
     config = write_config(tmp_path, "none", total=2, task={"class_path": "none_task.NoneScore"})
     assert main_error_line(monkeypatch, "fit", "--config", str(config)) == (
-        "lit_gmc: error: reward NoneScore.score (the task's reward) returned None for 4 completions; it must return "
-        "a list of 4 numbers, one reward per completion"
+        "lit_gmc: error: reward NoneScore.score (the task's reward), called as f(completions, answer), returned None "
+        "for 4 completions; it must return a list of 4 numbers, one reward per completion"
     )
     assert not list((tmp_path / "none").glob("version_*"))  # a run failed before its first update is no run to list
 
@@ -262,7 +262,7 @@ def test_a_resumed_run_continues_its_tensorboard_version_and_counts_from_the_res
     config = write_config(tmp_path, "resumed", total=2, every=2)
     fit(config, "--trainer.enable_progress_bar", "true", "--progress_every", "1")
     fit(config, "--trainer.enable_progress_bar", "true", "--progress_every", "1", "--trainer.max_steps", "4",
-        "--ckpt_path", "last")  # fmt: skip
+        "--data.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
     lines = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("update ")]
     assert lines == ["update 1/2", "update 2/2", "update 3/4", "update 4/4"]
     assert sorted(p.name for p in (tmp_path / "resumed").glob("version_*")) == ["version_0"]  # one run in TensorBoard
@@ -339,16 +339,17 @@ def test_benchmark_rows_without_a_reference_answer_are_left_out_and_counted(tmp_
 def test_chat_template_wraps_each_prompt_as_a_user_turn_and_a_base_tokenizer_is_refused(char_tokenizer):
     import copy
 
+    from lit_gmc.data.tasks.base import prompts_in_chat_template
+
     chat = copy.deepcopy(char_tokenizer)
     chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                           "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
-    task = Addition(max_operand=3, chat_template=True)
-    plain = Addition(max_operand=3)
-    task.setup(chat)
-    assert [p.text for p in task.train_prompts()] == [f"<user>{p.text}<assistant>" for p in plain.train_prompts()]
-    assert [p.answer for p in task.test_prompts()] == [p.answer for p in plain.test_prompts()]
-    with pytest.raises(UserError, match="--data.task.chat_template: the actor's tokenizer has no chat template"):
-        Addition(max_operand=3, chat_template=True).setup(char_tokenizer)
+    plain = Addition(max_operand=3).train_prompts()
+    wrapped = prompts_in_chat_template(plain, chat)
+    assert [p.text for p in wrapped] == [f"<user>{p.text}<assistant>" for p in plain]
+    assert [(p.id, p.answer) for p in wrapped] == [(p.id, p.answer) for p in plain]
+    with pytest.raises(UserError, match="^--data.chat_template: the actor's tokenizer has no chat template"):
+        prompts_in_chat_template(plain, char_tokenizer)
 
 
 @pytest.mark.slow
@@ -377,7 +378,7 @@ def test_a_new_run_beside_another_run_s_checkpoints_is_refused_naming_the_folder
     with pytest.raises(UserError, match=f"--checkpoint.dirpath {folder} holds another run's checkpoints \\(epoch="):
         fit(config)
     assert not any(path.name.startswith("last-") for path in folder.iterdir())  # nothing written beside them
-    fit(config, "--trainer.max_steps", "2", "--ckpt_path", "last")  # resuming it is what the message offers
+    fit(config, "--trainer.max_steps", "2", "--data.refill_on_extend", "true", "--ckpt_path", "last")  # as offered
 
 
 def test_a_run_without_a_logger_name_is_named_after_its_task_and_model(tmp_path):
@@ -441,7 +442,8 @@ def test_the_terminal_bar_counts_updates_to_max_steps_after_a_resume(tmp_path, m
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
     config = write_config(tmp_path, "bar", total=2, every=2)
     fit(config, "--trainer.enable_progress_bar", "true")
-    trainer = fit(config, "--trainer.enable_progress_bar", "true", "--trainer.max_steps", "3", "--ckpt_path", "last")
+    trainer = fit(config, "--trainer.enable_progress_bar", "true", "--trainer.max_steps", "3",
+                  "--data.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
     bar = trainer.trainer.progress_bar_callback
     assert isinstance(bar, UpdateProgressBar)
     task = bar.progress.tasks[bar.train_progress_bar_id]

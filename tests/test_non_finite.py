@@ -30,8 +30,8 @@ def test_rewards_are_finite_numbers_or_one_message_naming_the_function_the_promp
         with pytest.raises(UserError) as caught:
             reward(["a", "b", "c"], "a", prompt_id=7)
         assert str(caught.value) == (
-            f"reward exact gave {bad!r} for response 1 of prompt 7 (rewards [0.0, {bad!r}, 1.0]): rewards must be "
-            "finite numbers"
+            f"reward exact, called as f(completions, answer), gave {bad!r} for response 1 of prompt 7 (rewards "
+            f"[0.0, {bad!r}, 1.0]): rewards must be finite numbers (or None, TRL's 'skip this example')"
         )
 
 
@@ -50,7 +50,8 @@ def run(module: GMCModule, **data) -> None:
 def test_a_nan_reward_stops_the_run_where_it_enters():
     module = GMCModule(max_response_length=4)
     before = {k: v.clone() for k, v in module.actor.state_dict().items()}
-    with pytest.raises(UserError, match=r"^reward --data.reward .*nan_reward gave nan for response 0 of prompt \d+ "):
+    message = r"^reward --data.reward .*nan_reward, called as f\(completions, answer\), gave nan for response 0 of "
+    with pytest.raises(UserError, match=message + r"prompt \d+ "):
         run(module, reward=nan_reward)
     assert all(torch.equal(before[k], v) for k, v in module.actor.state_dict().items())
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from run_helpers import fit, records, write_config
+from transformers import AutoTokenizer
 
 from lit_gmc.tblog import read_scalars
 
@@ -38,7 +40,7 @@ def half_credit(completions: Sequence[str], answer: str) -> list[float]:
 '''
 
 
-def test_a_task_and_a_reward_from_a_user_module(tmp_path, monkeypatch):
+def test_a_task_and_a_reward_from_a_user_module(tmp_path, monkeypatch, tiny_actor_dir):
     (tmp_path / "user_tasks.py").write_text(textwrap.dedent(USER_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
     task = {"class_path": "user_tasks.Doubling", "init_args": {"limit": 12}}
@@ -53,6 +55,18 @@ def test_a_task_and_a_reward_from_a_user_module(tmp_path, monkeypatch):
     rewards = [value for _, value in read_scalars(tmp_path / "own_reward")["train/reward"]]
     assert rewards == [0.5, 0.5, 0.5]  # the dotted-path reward replaced the task's score
     assert not cli.datamodule.task.scored
+
+    pytest.importorskip("trl.rewards", reason="TRL is in the dev extra")
+    # TRL's own reward, unchanged, on the user's task in a chat template (an actor whose template keeps the text)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_actor_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(tiny_actor_dir)
+    config = write_config(tmp_path, "trl_reward", total=2, task=task, reward="trl.rewards.accuracy_reward",
+                          chat_template=True)  # fmt: skip
+    cli = fit(config, "--model.actor", str(tiny_actor_dir))
+    assert cli.datamodule.score.convention == "trl" and cli.datamodule.score.chat and not cli.datamodule.task.scored
+    rewards = [value for _, value in read_scalars(tmp_path / "trl_reward")["train/reward"]]
+    assert rewards == [0.0, 0.0]  # a random actor writes no \\boxed answer
 
 
 USER_RULE = '''

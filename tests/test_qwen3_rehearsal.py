@@ -101,7 +101,8 @@ def test_the_qwen3_config_runs_end_to_end_on_cpu(suite, tmp_path, shared_data, c
     if suite:  # 2 updates, then resumed from last.ckpt for 2 more
         first = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=2))
         assert first.returncode == 0, first.stderr[-5000:]
-        resumed = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4), "--ckpt_path", "last")
+        resumed = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4), "--data.refill_on_extend",
+                      "true", "--ckpt_path", "last")  # its 2-update plan drained: extended by a refill
         assert resumed.returncode == 0, resumed.stderr[-5000:]
         assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
     else:  # 4 updates in one run (the resume is the suite's part, an `extended` test: two vLLM starts, 2.5 min)

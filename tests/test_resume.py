@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -109,16 +110,53 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh(tmp_path):
     assert Path(tmp_path / "fresh" / "checkpoints" / "last.ckpt").exists()
 
 
-def test_a_finished_run_resumed_with_more_steps_continues_its_schedule(tmp_path):
-    """The planned updates come from this run's config: a 4-step run resumed with max_steps 7 takes 3 more.
+@pytest.mark.slow
+def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_that_long(tmp_path, monkeypatch):
+    """A 4-update run resumed with --trainer.max_steps 7: from its last checkpoint (taken in FixedDelay's drain)
+    the resume is refused, saying how to extend; from its checkpoint at update 2 (before the drain) it gives the
+    records of a 7-update run; --data.refill_on_extend true goes on from a drained checkpoint with a new fill.
 
-    The finished run drained its FIFO, so the extension refills it from its current policy, as a run starts."""
-    config = write_config(tmp_path, "extend", total=4, every=2, schedule=component("FixedDelay", delay=2))
-    fit(config)
-    fit(config, "--trainer.max_steps", "7", "--ckpt_path", "last")
-    rec = records(tmp_path / "extend")
-    assert sorted(rec) == list(range(7))
-    # every launch consumed once, in order; the delays of a start (0, 1, then D = 2), twice
-    assert [rec[s]["schedule/batch_id"] for s in range(7)] == [float(s) for s in range(7)]
-    assert [rec[s]["delay/max"] for s in range(7)] == [0.0, 1.0, 2.0, 2.0, 0.0, 1.0, 2.0]
-    assert [rec[s]["schedule/draining"] for s in range(7)] == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    The learning rate follows ``--lr_scheduler.total_steps`` (else each invocation's --trainer.max_steps), set to
+    the final length here so that the rates, and so the records, match the 7-update run."""
+    from test_first_hour import main_error_line
+
+    options = {"every": 2, "schedule": component("FixedDelay", delay=2)}
+    lr = ("--lr_scheduler.total_steps", "7")
+    fit(write_config(tmp_path, "planned", total=7, **options), *lr)
+    config = write_config(tmp_path, "extended", total=4, **options)
+    fit(config, *lr)
+    assert main_error_line(monkeypatch, "fit", "--config", str(config), *lr, "--trainer.max_steps", "7",
+                           "--ckpt_path", "last") == (
+        "lit_gmc: error: --trainer.max_steps 7 extends a run planned for 4 updates, but its checkpoint (at update 4) "
+        "was taken after FixedDelay began its drain at update 2 (it stopped generating for the planned end), a state "
+        "no run planned for 7 updates reaches. To extend it as if planned for 7 from the start, resume from a "
+        "checkpoint at or before update 2 (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or "
+        "add --data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
+        "restart from 0)"
+    )  # fmt: skip
+    (before_drain,) = (tmp_path / "extended" / "checkpoints").glob("*step=2.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(config, *lr, "--trainer.max_steps", "7", "--ckpt_path", str(before_drain))
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its own folder: no warning
+    assert_same_records(records(tmp_path / "extended"), records(tmp_path / "planned"))
+
+    fit(config, *lr, "--trainer.max_steps", "9", "--data.refill_on_extend", "true", "--ckpt_path", "last")
+    rec = records(tmp_path / "extended")
+    assert [rec[s]["schedule/batch_id"] for s in range(9)] == [float(s) for s in range(9)]  # each launch once
+    # the drained queue is refilled from the current policy: delays 0, 1 after update 7, as at a start
+    assert [rec[s]["delay/max"] for s in range(9)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0]
+    assert [rec[s]["schedule/draining"] for s in range(9)] == [0.0] * 5 + [1.0, 1.0, 1.0, 1.0]
+
+
+def test_lightning_s_non_empty_folder_warning_is_kept_for_a_run_that_does_not_resume(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_gmc.checkpoint import RunCheckpoint
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "other.ckpt").write_text("")
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[RunCheckpoint(dirpath=tmp_path / "ckpt")], default_root_dir=tmp_path)  # fmt: skip
+    with pytest.warns(UserWarning, match=f"Checkpoint directory {tmp_path / 'ckpt'} exists and is not empty"):
+        trainer.fit(BoringModel())

@@ -67,12 +67,13 @@ def test_another_schedule_class_is_one_line(finished):
 
 
 def test_allowed_changes_resume(tmp_path):
-    """More steps, other memory knobs, threads, display and checkpoint options: the run goes on from its checkpoint."""
+    """More steps (from a drained checkpoint: with --data.refill_on_extend), other memory knobs, threads, display and
+    checkpoint options: the run goes on from its checkpoint."""
     config = write_config(tmp_path, "grow", total=2, every=2, **DELAY2)
     fit(config)
     fit(config, "--trainer.max_steps", "3", "--model.micro_batch_groups", "1", "--model.logit_chunk_tokens", "2",
         "--torch_num_threads", "1", "--trainer.enable_model_summary", "true", "--checkpoint.every_n_train_steps", "1",
-        "--ckpt_path", "last")  # fmt: skip
+        "--data.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
     assert sorted(records(tmp_path / "grow")) == [0, 1, 2]
 
 

@@ -6,13 +6,15 @@ the learner's current version (the number of updates taken so far), as the engin
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules.base import DelaySchedule, FixedDelay, Sync
+from lit_gmc.data.schedules.base import DelaySchedule, FixedDelay, Sync, extension_problem
+from lit_gmc.data.schedules.virtual_clock import VirtualClock
 
 
 class VersionedProducer:
@@ -167,3 +169,40 @@ def test_a_failed_background_launch_raises_where_the_schedule_pauses():
     with pytest.raises(ValueError, match="generation exploded"), schedule.paused():
         pass
     schedule.close()
+
+
+def snapshots(make, total: int) -> tuple[list[tuple[dict, int]], list[tuple[int, int, int]]]:
+    """Run a schedule planned for ``total`` updates: its state (and the producer's launch count) before each
+    update and at the end, and the (step, version, batch id) of each consumed batch."""
+    schedule, producer = make().plan(total), VersionedProducer()
+    states, consumed = [], []
+    while True:
+        states.append((copy.deepcopy(schedule.state_dict()), producer.launched))
+        if schedule.exhausted:
+            return states, consumed
+        batch, _ = schedule.next_batch(producer)
+        consumed.append((producer.version, batch[0].version, batch[0].batch_id))
+        producer.version += 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: Sync(inner_steps=3), lambda: FixedDelay(delay=2), lambda: VirtualClock(lam=120.0, overlap=False)],
+    ids=["Sync", "FixedDelay", "VirtualClock"],
+)
+def test_a_longer_plan_is_refused_exactly_where_the_checkpoint_cannot_continue_as_it(make):
+    short, longer = 5, 9
+    states, _ = snapshots(make, short)
+    _, planned_long = snapshots(make, longer)
+    refused = []
+    for state, launched in states:
+        schedule = make().plan(longer)
+        schedule.load_state_dict(state)
+        producer = VersionedProducer()
+        producer.version, producer.launched = state["step"], launched
+        continued = [(r["step"], r["version"], r["id"]) for r in run(schedule, producer)]
+        problem = extension_problem(state, longer, "S")
+        assert (problem is None) == (continued == planned_long[state["step"] :]), state["step"]
+        refused.append(problem is not None)
+    assert refused[0] is False and refused[-1] is True  # a fresh start extends; a finished run has drained
+    assert extension_problem(states[-1][0], short, "S") is None  # the same plan: a plain resume

@@ -45,7 +45,10 @@ class DelaySchedule(ABC):
     A schedule is built from its own options only (it is a LightningCLI component: ``data.schedule``); the
     DataModule then calls :meth:`plan` with what the whole run shares. The planned number of updates always
     comes from this run's config (``--trainer.max_steps``), also after a resume: checkpoints restore the step
-    reached, never the plan, so every schedule resumes the same way.
+    reached, never the plan, so every schedule resumes the same way. A checkpoint also records the plan it was
+    taken under and the schedule's ``drain_step``: the update from which the schedule's decisions depended on
+    the run ending (it stopped generating, or generated a shorter round), so that a resume planning more updates
+    knows whether it can continue as a run planned that long from the start (:func:`extension_problem`).
 
     The schedule owns every thread that generates for it, so the DataModule calls the same four things on any
     schedule: :meth:`next_batch`, :attr:`running`, :meth:`paused` and :meth:`close`. With ``overlap`` on,
@@ -61,6 +64,8 @@ class DelaySchedule(ABC):
     step: int = 0
     total_updates: int = 0
     batch_prompts: int = 1
+    drain_step: int | None = None
+    """The first update at which the schedule acted on the run's end (``None``: not yet, or never)."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None  # overlapped generation: one thread, launches in order
@@ -133,12 +138,13 @@ class DelaySchedule(ABC):
         self._pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state (plain containers and tensors)."""
-        return {"step": self.step}
+        """Checkpointable state (plain containers and tensors), with the plan it was taken under."""
+        return {"step": self.step, "planned": self.total_updates, "drain_step": self.drain_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the plan (:meth:`plan`) stays this run's."""
         self.step = state["step"]
+        self.drain_step = state.get("drain_step")
 
 
 class _QueueSchedule(DelaySchedule):
@@ -187,7 +193,10 @@ class Sync(_QueueSchedule):
         if self.exhausted:
             raise StopIteration
         if not self.queue:
-            self.queue.extend(self.launch(produce, min(self.inner_steps, self.remaining)))
+            count = min(self.inner_steps, self.remaining)
+            # the run's end cuts this round short, where a longer run would not
+            self.drain_step = self.step if count < self.inner_steps else None
+            self.queue.extend(self.launch(produce, count))
         return self._pop({"draining": 0.0})
 
 
@@ -197,9 +206,9 @@ class FixedDelay(_QueueSchedule):
     Every later batch is consumed exactly ``D`` updates after the policy that generated it. At step ``n`` a
     batch from the current policy ``theta_n`` is appended (it will be consumed at step ``n + D``) and the
     oldest is consumed. Once the queue holds every batch still needed, generation stops and the queue drains;
-    ``drain_step`` records when. A drained run resumed with more updates planned refills the FIFO from its
-    current policy, as at the start. ``D = 0`` is one on-policy update per generated batch (the paper's ``D = 0``
-    column is :class:`Sync` with 4 inner steps instead).
+    ``drain_step`` records when. A drained run resumed with more updates planned (``--data.refill_on_extend``)
+    refills the FIFO from its current policy, as at the start. ``D = 0`` is one on-policy update per generated
+    batch (the paper's ``D = 0`` column is :class:`Sync` with 4 inner steps instead).
 
     Args:
         delay: ``D >= 0``, updates between generating a batch and consuming it.
@@ -209,7 +218,6 @@ class FixedDelay(_QueueSchedule):
         super().__init__()
         check_options("FixedDelay", self.option_problems(delay))
         self.delay = delay
-        self.drain_step: int | None = None
 
     @staticmethod
     def option_problems(delay: int) -> list[str]:
@@ -230,11 +238,23 @@ class FixedDelay(_QueueSchedule):
             self.drain_step = self.step
         return self._pop({"draining": float(self.drain_step is not None)})
 
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: step counter, queued batches and drain step."""
-        return {**super().state_dict(), "drain_step": self.drain_step}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict`."""
-        super().load_state_dict(state)
-        self.drain_step = state["drain_step"]
+def extension_problem(state: dict[str, Any], total_updates: int, name: str) -> str | None:
+    """Why a checkpoint's schedule ``state`` cannot go on to ``total_updates`` as a run planned that long would.
+
+    ``None`` when it can: the plan is not longer than the checkpoint's, or the schedule had not yet acted on the
+    checkpoint's planned end (no ``drain_step``); a run planned for ``total_updates`` from the start then makes the
+    same decisions at every step. Checkpoints from before the plan was recorded are not judged.
+    """
+    planned, drain_step = state.get("planned"), state.get("drain_step")
+    if planned is None or total_updates <= planned or drain_step is None:
+        return None
+    return (
+        f"--trainer.max_steps {total_updates} extends a run planned for {planned} updates, but its checkpoint (at "
+        f"update {state['step']}) was taken after {name} began its drain at update {drain_step} (it stopped "
+        f"generating for the planned end), a state no run planned for {total_updates} updates reaches. To extend it "
+        f"as if planned for {total_updates} from the start, resume from a checkpoint at or before update "
+        f"{drain_step} (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or add "
+        "--data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
+        "restart from 0)"
+    )

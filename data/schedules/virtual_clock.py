@@ -89,7 +89,6 @@ class VirtualClock(DelaySchedule):
         self.launched = 0
         self.hidden: list[_Launch] = []  # launched, not yet visible (possibly still generating)
         self.visible: list[_Launch] = []  # completed by the clock, sorted by (ready_at, index)
-        self.drain_step: int | None = None
 
     @staticmethod
     def option_problems(c_gen: float, lam: float, c_update: float, max_launches: int) -> list[str]:
@@ -138,6 +137,7 @@ class VirtualClock(DelaySchedule):
         return entry.batch, info
 
     def _launch(self, produce: Producer) -> None:
+        self.drain_step = None  # launching again: only a resume planning more updates ends a drain
         (batch,) = self.launch(produce, 1)
         self.hidden.append(_Launch(self.launched, self.clock, batch))
         self.launched += 1
@@ -195,15 +195,15 @@ class VirtualClock(DelaySchedule):
             for e in self.hidden + self.visible
         ]
         return {
-            **super().state_dict(), "clock": self.clock, "launched": self.launched, "drain_step": self.drain_step,
-            "entries": entries, "visible": [e.index for e in self.visible],
+            **super().state_dict(), "clock": self.clock, "launched": self.launched, "entries": entries,
+            "visible": [e.index for e in self.visible],
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the clock, counters and in-flight batches saved by :meth:`state_dict` (the plan stays this run's)."""
         super().load_state_dict(state)
         self.clock = state["clock"]
-        self.launched, self.drain_step = state["launched"], state["drain_step"]
+        self.launched = state["launched"]
         entries = [
             _Launch(e["index"], e["launched_at"], batch_from_state(e["batch"]), e["ready_at"]) for e in state["entries"]
         ]

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from lit_gmc.actor import addition_problems
-from lit_gmc.data.tasks.base import Prompt, Task, prompts_in_chat_template
+from lit_gmc.data.tasks.base import Prompt, Task
 from lit_gmc.options import check_options
 
 
@@ -18,13 +17,10 @@ class Addition(Task):
 
     Args:
         max_operand: Largest operand.
-        chat_template: Wrap each prompt in the actor tokenizer's chat template, as a user turn followed by the
-            assistant's opening (for an instruction-tuned ``--model.actor``; the tiny actor has none).
     """
 
-    def __init__(self, max_operand: int = 69, chat_template: bool = False) -> None:
+    def __init__(self, max_operand: int = 69) -> None:
         check_options("Addition", self.option_problems(max_operand))
-        self.chat_template = chat_template
         train, test = addition_problems(max_operand)
         self._train = [Prompt(*row) for row in train]
         self._test = [Prompt(*row) for row in test]
@@ -33,12 +29,6 @@ class Addition(Task):
     def option_problems(max_operand: int) -> list[str]:
         """Every problem with the options, named by their init args."""
         return [f"max_operand={max_operand} must be >= 1"] if max_operand < 1 else []
-
-    def setup(self, tokenizer: Any) -> None:
-        """With ``chat_template``, wrap every prompt in ``tokenizer``'s chat template (:func:`in_chat_template`)."""
-        if self.chat_template:
-            self._train = prompts_in_chat_template(self._train, tokenizer)
-            self._test = prompts_in_chat_template(self._test, tokenizer)
 
     def train_prompts(self) -> Sequence[Prompt]:
         """The training prompts (sums not held out)."""

@@ -1,4 +1,4 @@
-"""The task protocol: prompts, the chat-template wrapping and the prompt budget every task gets, the prompt stream.
+"""The task protocol: prompts and their check, the chat-template wrapping and prompt budget every task gets, the stream.
 
 A task is a list of training prompts, a list of held-out prompts and a reward function; the stream
 walks the training prompts in a seeded order, epoch after epoch, and can be checkpointed.
@@ -16,7 +16,18 @@ from lit_gmc.errors import UserError
 
 @dataclass(frozen=True)
 class Prompt:
-    """One verifiable problem: ``text`` is what the engine sees, ``answer`` what the reward checks."""
+    """One verifiable problem, as a task gives it.
+
+    Attributes:
+        id: An ``int``, unique among the task's training prompts: it keys the prompt in records and messages and
+            becomes a tensor in the batch (``RolloutBatch.prompt_ids``), so a string or a float is refused at
+            start-up, naming the task and the prompt.
+        text: The prompt as the task writes it, a non-empty ``str``. Under ``--data.chat_template`` the DataModule
+            wraps it in the actor tokenizer's chat template (a user turn, then the assistant's opening) before the
+            engine sees it; a task never wraps it itself.
+        answer: The reference answer, a ``str``, given to the reward (``score(completions, answer)``; TRL-style
+            reward functions get it as ``answer`` and ``solution``). May be empty for a reward that ignores it.
+    """
 
     id: int
     text: str
@@ -27,10 +38,19 @@ class Prompt:
 class Task(Protocol):
     """What the DataModule needs from a task (``data.task``): any class with these three methods works.
 
-    A task may also define ``setup(tokenizer)``: the DataModule calls it once, with the rollout engine's
-    tokenizer, before it reads the prompts (e.g. to wrap them in the tokenizer's chat template). The DataModule then
-    cuts every task's training prompts to ``--data.max_prompt_tokens`` and checks the longest against the actor's
-    context. The task's own ``score`` is the reward unless ``--data.reward`` names another function.
+    No subclassing or registration; its init args become ``--data.task.<name>`` options. The DataModule, once the
+    rollout engine has started:
+
+    1. calls the optional ``setup(tokenizer)`` once, with the engine's tokenizer (e.g. to count tokens), before any
+       other method and after the actor is loaded; on rank 0 only, and only once per run (a resume calls it again);
+    2. reads :meth:`train_prompts` and checks every :class:`Prompt` (types, unique ids): a wrong one stops the run
+       with one line naming the task and the prompt;
+    3. wraps each prompt's text in the tokenizer's chat template if ``--data.chat_template`` is on (the one switch,
+       the same for every task: a task never applies a chat template itself);
+    4. cuts every prompt to ``--data.max_prompt_tokens`` and checks the longest against the actor's context.
+
+    The task's own ``score`` is the reward unless ``--data.reward`` names another function. ``test_prompts`` is
+    read by whoever evaluates the task, never for training.
     """
 
     def train_prompts(self) -> Sequence[Prompt]:
@@ -40,10 +60,44 @@ class Task(Protocol):
         """Held-out prompts, never trained on."""
 
     def score(self, completions: Sequence[str], answer: str) -> list[float]:
-        """Rewards of the completions of one prompt, each in ``[0, 1]``."""
+        """Rewards of the completions of one prompt, each in ``[0, 1]`` (``None`` for one: skip it, as in TRL)."""
 
 
-def in_chat_template(text: str, tokenizer: Any, option: str = "--data.task.chat_template") -> str:
+def prompt_problem(task: str, prompts: Sequence[Any]) -> str | None:
+    """Why ``prompts`` (the ``task``'s training prompts) break the :class:`Prompt` contract, or ``None``.
+
+    Checks the first wrong prompt only, and names it by its position and id: a :class:`Prompt` (or a dataclass with
+    its fields), an ``int`` id unique among the prompts, a non-empty ``str`` text and a ``str`` answer.
+    """
+    if not prompts:
+        return f"task {task} gave no training prompts (train_prompts() is empty)"
+    seen: dict[int, int] = {}
+    for index, prompt in enumerate(prompts):
+        where = f"task {task}: training prompt {index}"
+        if not all(hasattr(prompt, name) for name in ("id", "text", "answer")):
+            return f"{where} is a {type(prompt).__name__}, not a lit_gmc.data.tasks.base.Prompt(id, text, answer)"
+        where += f" (id {prompt.id!r})"
+        if isinstance(prompt.id, bool) or not isinstance(prompt.id, int):
+            return f"{where}: Prompt.id must be an int, got {type(prompt.id).__name__} (number your prompts 0, 1, ...)"
+        if prompt.id in seen:
+            return f"{where}: Prompt.id repeats that of training prompt {seen[prompt.id]}; ids must be unique"
+        seen[prompt.id] = index
+        if not isinstance(prompt.text, str) or not prompt.text:
+            return f"{where}: Prompt.text must be a non-empty str, got {short_repr(prompt.text)}"
+        if not isinstance(prompt.answer, str):
+            return (
+                f"{where}: Prompt.answer must be a str, got {type(prompt.answer).__name__} {short_repr(prompt.answer)}"
+            )
+    return None
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` of a value, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def in_chat_template(text: str, tokenizer: Any, option: str = "--data.chat_template") -> str:
     """``text`` as a user turn in ``tokenizer``'s chat template, followed by the assistant's opening.
 
     The template's own special tokens are part of the text, so the engine must not add them again (neither engine
@@ -60,9 +114,7 @@ def in_chat_template(text: str, tokenizer: Any, option: str = "--data.task.chat_
         ) from err
 
 
-def prompts_in_chat_template(
-    prompts: Sequence[Any], tokenizer: Any, option: str = "--data.task.chat_template"
-) -> list[Any]:
+def prompts_in_chat_template(prompts: Sequence[Any], tokenizer: Any, option: str = "--data.chat_template") -> list[Any]:
     """``prompts`` (dataclasses with a ``text``, e.g. :class:`Prompt`), each text :func:`in_chat_template`."""
     return [replace(prompt, text=in_chat_template(prompt.text, tokenizer, option)) for prompt in prompts]
 

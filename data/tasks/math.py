@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from lit_gmc.data.tasks.base import Prompt, Task, prompts_in_chat_template
+from lit_gmc.data.tasks.base import Prompt, Task
 from lit_gmc.data.tasks.math_data import (
     MATH_TRAIN_SOURCE,
     MathScorer,
@@ -29,8 +29,8 @@ class Math(Task):
         test_path: Held-out prompts: ``null`` for MATH-500 from its default hub source, or a local file or
             folder; loaded on first use (evaluation), never for training.
         max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning.
-            ``null`` keeps prompts whole. It cuts the two-shot text, before ``chat_template`` wraps it, so the
-            template is never cut; ``--data.max_prompt_tokens``, the budget every task has, cuts the final text
+            ``null`` keeps prompts whole. It cuts the two-shot text, before ``--data.chat_template`` wraps it, so
+            the template is never cut; ``--data.max_prompt_tokens``, the budget every task has, cuts the final text
             after this one (leave it null for the paper's setup).
         tokenizer: Tokenizer (actor name or path) that counts prompt tokens; ``null``: the rollout engine's, so
             the budget is counted in the tokens the engine will see.
@@ -40,8 +40,6 @@ class Math(Task):
         verify_timeout_s: Wall-clock bound on checking one response; a slower check scores 0.
         cut_at_next_problem: Score only the text before an invented next ``Problem:`` line, a deviation from
             the paper (which scores the last box of the whole completion); off by default.
-        chat_template: Wrap each prompt (after the budget cut) in the engine tokenizer's chat template, as a user
-            turn and the assistant's opening, for an instruction-tuned actor; off: the paper's plain two-shot text.
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): held-out prompts and the verifier's processes, not
@@ -59,12 +57,9 @@ class Math(Task):
         verifier_workers: int = 2,
         verify_timeout_s: float = 10.0,
         cut_at_next_problem: bool = False,
-        chat_template: bool = False,
     ) -> None:
         check_options("Math", self.option_problems(max_prompt_tokens, verifier_workers, verify_timeout_s))
         self.max_prompt_tokens = max_prompt_tokens
-        self.chat_template = chat_template
-        self.engine_tokenizer: Any = None  # the chat template's, given by setup
         self.test_path = test_path
         self.data = load_math_train(path, split=split, config=config)  # loaded now: a bad file fails at start-up
         self._triples = [(p.id, p.problem, p.answer) for p in self.data.problems]
@@ -103,17 +98,11 @@ class Math(Task):
         """Count prompt tokens with the engine's ``tokenizer`` unless the ``tokenizer`` option names another."""
         if self.tokenizer is None:
             self.tokenizer = tokenizer
-        self.engine_tokenizer = tokenizer
 
     def _prompts(self, triples: Sequence[tuple[int, str, str]]) -> list[Prompt]:
         if self.max_prompt_tokens is not None and self.tokenizer is None:
             raise RuntimeError("Math: max_prompt_tokens needs a tokenizer: give the option, or call setup(tokenizer)")
-        prompts = make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
-        if not self.chat_template:
-            return prompts
-        if self.engine_tokenizer is None:
-            raise RuntimeError("Math: chat_template needs the engine's tokenizer: call setup(tokenizer) first")
-        return prompts_in_chat_template(prompts, self.engine_tokenizer)
+        return make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
 
     def train_prompts(self) -> Sequence[Prompt]:
         """Two-shot prompts of the kept training rows, in file order."""

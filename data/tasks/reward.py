@@ -23,96 +23,180 @@ def function_name(function: Callable) -> str:
     return f"{module}.{name}" if module and module != "__main__" else name
 
 
-def calling_convention(function: Callable, name: str) -> str:
-    """``"native"`` for ``(completions, answer)``, ``"trl"`` for TRL's ``(prompts, completions, **kwargs)``.
+TRL_ONLY_NAMES = ("prompts", "solution", "completion_ids")
+"""Parameters only a TRL reward function has: one of them (or ``**kwargs``) means it is called the TRL way."""
 
-    A function that has a ``prompts`` parameter, or that cannot take two positional arguments but takes keywords,
-    is called as TRL calls its reward functions: by keyword, ``prompts`` and ``completions`` lists and one list per
-    extra column, here ``answer`` (the prompt's reference answer, repeated for each completion).
+TRL_ANSWER_NAMES = ("answer", "solution")
+"""The names the reference answer is passed under, TRL's way: ours, and the column TRL's own rewards read
+(``trl.rewards.accuracy_reward(completions, solution, **kwargs)`` and its siblings)."""
+
+
+def calling_convention(function: Callable, name: str) -> str:
+    """``"native"`` for ``f(completions, answer)``, ``"trl"`` for TRL's ``f(prompts=, completions=, **kwargs)``.
+
+    A function that takes ``**kwargs``, or has a parameter only TRL passes (``prompts``, ``solution``,
+    ``completion_ids``), is called as TRL's ``GRPOTrainer`` calls its reward functions: every argument by keyword,
+    each a list with one entry per completion (see :meth:`Reward.trl_arguments`). Any other function must take
+    ``(completions, answer)`` positionally: the completions of one prompt and its reference answer, one string.
     """
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # a builtin without a signature: called as documented
         return "native"
     params = signature.parameters
-    with contextlib.suppress(TypeError):
-        if "prompts" in params:
-            signature.bind(prompts=[], completions=[], answer=[])
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    offered = ("prompts", "completions", "completion_ids", *TRL_ANSWER_NAMES)
+    if takes_kwargs or any(trl_name in params for trl_name in TRL_ONLY_NAMES):
+        accepted = offered if takes_kwargs else [key for key in offered if key in params]
+        with contextlib.suppress(TypeError):
+            signature.bind(**dict.fromkeys(accepted, []))
             return "trl"
-        signature.bind([], "")
-        return "native"
-    with contextlib.suppress(TypeError):
-        signature.bind(prompts=[], completions=[], answer=[])
-        return "trl"
+    else:
+        with contextlib.suppress(TypeError):
+            signature.bind([], "")
+            return "native"
     raise UserError(
-        f"reward {name}{signature} takes neither (completions, answer) nor TRL's (prompts, completions, **kwargs)"
+        f"reward {name}{signature} takes neither (completions, answer) nor TRL's keywords (prompts, completions, "
+        "completion_ids, answer, solution, **kwargs)"
     )
+
+
+def accepted_keywords(function: Callable) -> frozenset[str] | None:
+    """The keyword parameters of a TRL-style ``function``; ``None`` when it takes ``**kwargs`` (every keyword)."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
+
+
+def as_messages(completions: Sequence[str]) -> list[list[dict[str, str]]]:
+    """Each completion as TRL gives it for a conversational prompt: one assistant message."""
+    return [[{"role": "assistant", "content": text}] for text in completions]
 
 
 class Reward:
     """The run's reward function, called one way whatever its form, its result checked before it is used.
 
     ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion.
-    ``function`` is the task's ``score`` or ``--data.reward``, of either form of :func:`calling_convention`. A result
-    that is not one number per completion (None, a number, a list of the wrong length, an entry that is no number)
-    raises one :class:`UserError` naming the function, and so does a NaN or infinite reward (naming the prompt id
-    too): checked where rewards enter, since one would make every rule's gradient non-finite. Rewards outside
-    ``[0, 1]`` (where ``Task.score`` documents them) are used as they are, with one warning that shows the values.
+    ``function`` is the task's ``score`` or ``--data.reward``, of either form of :func:`calling_convention`.
+
+    A TRL-style function gets what TRL's ``GRPOTrainer`` passes, by keyword, one entry per completion:
+    ``prompts`` (the prompt text; ``[{"role": "user", "content": text}]`` under ``--data.chat_template``),
+    ``completions`` (strings; one-message lists ``[{"role": "assistant", "content": text}]`` under
+    ``--data.chat_template``), ``completion_ids`` (token ids) and the reference answer under ``answer`` and
+    ``solution``. A function without ``**kwargs`` gets only the names it declares. Nothing else TRL passes
+    (``trainer_state``, ``log_extra``, ``log_metric``) exists here.
+
+    A reward of ``None`` is TRL's "skip this example": as in TRL, the completion is left out of its group's baseline
+    and gets no advantage. It is given the mean of the group's other rewards (so the group's mean is that of the
+    rewards given, and its advantage under the group-mean and leave-one-out baselines is 0); a group whose every
+    reward is ``None`` gets 0.0 throughout, a group without signal. The count is said once, in a warning.
+
+    A result that is not one number (or ``None``) per completion raises one :class:`UserError` naming the function
+    and the convention it was called with, and so does a NaN or infinite reward (naming the prompt id too): checked
+    where rewards enter, since one would make every rule's gradient non-finite. Rewards outside ``[0, 1]`` (where
+    ``Task.score`` documents them) are used as they are, with one warning that shows the values.
 
     Args:
         function: The reward function.
         name: How messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``).
+        chat: Whether prompts are in the chat template (``--data.chat_template``): TRL-style functions then get
+            messages rather than strings.
     """
 
-    def __init__(self, function: Callable, name: str) -> None:
+    def __init__(self, function: Callable, name: str, chat: bool = False) -> None:
         if not callable(function):
             raise UserError(f"reward {name} is not callable (got {type(function).__name__})")
         self.function = function
         self.name = name
+        self.chat = chat
         self.convention = calling_convention(function, name)
+        self.keywords = accepted_keywords(function) if self.convention == "trl" else None
         self.warned_scale = False
+        self.warned_skip = False
 
     @classmethod
-    def of(cls, reward: Callable | None, task: Task) -> Reward:
+    def of(cls, reward: Callable | None, task: Task, chat: bool = False) -> Reward:
         """``--data.reward`` when given, else the task's own ``score``."""
         if reward is not None:
-            return cls(reward, f"--data.reward {function_name(reward)}")
-        return cls(task.score, f"{type(task).__name__}.score (the task's reward)")
+            return cls(reward, f"--data.reward {function_name(reward)}", chat)
+        return cls(task.score, f"{type(task).__name__}.score (the task's reward)", chat)
+
+    @property
+    def called_as(self) -> str:
+        """How the function is called, for messages."""
+        if self.convention == "native":
+            return "called as f(completions, answer)"
+        form = "message lists" if self.chat else "strings"
+        return f"called the TRL way, by keyword: prompts, completions ({form}), completion_ids, answer, solution"
 
     def __call__(
-        self, completions: Sequence[str], answer: str, prompt: str = "", prompt_id: int | None = None
+        self,
+        completions: Sequence[str],
+        answer: str,
+        prompt: str = "",
+        prompt_id: int | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[float]:
-        """One finite float reward per completion of one prompt (``prompt_id`` names it in messages)."""
+        """One finite float reward per completion of one prompt (``prompt_id`` names it in messages).
+
+        ``prompt`` is the prompt as the task gave it (before a chat template), for TRL-style functions.
+        """
         completions = list(completions)
         if self.convention == "trl":
-            count = len(completions)
-            result = self.function(prompts=[prompt] * count, completions=completions, answer=[answer] * count)
+            arguments = self.trl_arguments(completions, answer, prompt, completion_ids)
+            result = self.function(**arguments)
         else:
             result = self.function(completions, answer)
         return self.checked(result, len(completions), prompt_id)
 
+    def trl_arguments(
+        self, completions: list[str], answer: str, prompt: str, completion_ids: Sequence[Sequence[int]] | None
+    ) -> dict[str, list[Any]]:
+        """The keyword arguments TRL would pass for one prompt's completions, those the function accepts."""
+        count = len(completions)
+        ids = [list(row) for row in completion_ids] if completion_ids is not None else [[] for _ in completions]
+        arguments: dict[str, list[Any]] = {
+            "prompts": [[{"role": "user", "content": prompt}] if self.chat else prompt] * count,
+            "completions": as_messages(completions) if self.chat else completions,
+            "completion_ids": ids,
+            **{key: [answer] * count for key in TRL_ANSWER_NAMES},
+        }
+        if self.keywords is None:
+            return arguments
+        return {key: value for key, value in arguments.items() if key in self.keywords}
+
     def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
-        """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned."""
+        """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned.
+
+        ``None`` entries (TRL's "skip this example") become the mean of the others (0.0 if all are ``None``).
+        """
         expected = f"it must return a list of {count} numbers, one reward per completion"
+        who = f"reward {self.name}, {self.called_as},"
         if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
-            raise UserError(f"reward {self.name} returned {short(result)} for {count} completions; {expected}")
+            raise UserError(f"{who} returned {short(result)} for {count} completions; {expected}")
         values = list(result)
         if len(values) != count:
-            raise UserError(f"reward {self.name} returned {len(values)} values for {count} completions; {expected}")
-        rewards = []
+            raise UserError(f"{who} returned {len(values)} values for {count} completions; {expected}")
+        rewards: list[float | None] = []
         for value in values:
             try:
-                rewards.append(float(value))  # bool, numpy and 0-dim torch numbers too
+                rewards.append(None if value is None else float(value))  # bool, numpy and 0-dim torch numbers too
             except (TypeError, ValueError):
-                raise UserError(f"reward {self.name} returned {short(value)} among its rewards; {expected}") from None
+                raise UserError(f"{who} returned {short(value)} among its rewards; {expected}") from None
         for index, value in enumerate(rewards):
-            if not math.isfinite(value):
+            if value is not None and not math.isfinite(value):
                 where = f"response {index}" + (f" of prompt {prompt_id}" if prompt_id is not None else "")
                 raise UserError(
-                    f"reward {self.name} gave {short(values[index])} for {where} (rewards {short(values)}): rewards "
-                    "must be finite numbers"
+                    f"{who} gave {short(values[index])} for {where} (rewards {short(values)}): rewards must be finite "
+                    "numbers (or None, TRL's 'skip this example')"
                 )
-        outside = [value for value in rewards if math.isfinite(value) and not 0.0 <= value <= 1.0]
+        given = [value for value in rewards if value is not None]
+        if len(given) < count:
+            self.warn_skipped(count - len(given), count, prompt_id)
+        baseline = sum(given) / len(given) if given else 0.0
+        filled = [baseline if value is None else value for value in rewards]
+        outside = [value for value in given if not 0.0 <= value <= 1.0]
         if outside and not self.warned_scale:
             self.warned_scale = True
             warnings.warn(
@@ -120,7 +204,20 @@ class Reward:
                 "are used as they are (this warning is shown once)",
                 stacklevel=2,
             )
-        return rewards
+        return filled
+
+    def warn_skipped(self, skipped: int, count: int, prompt_id: int | None) -> None:
+        """Say once that ``None`` rewards were taken as TRL's "skip this example"."""
+        if self.warned_skip:
+            return
+        self.warned_skip = True
+        where = f" of prompt {prompt_id}" if prompt_id is not None else ""
+        warnings.warn(
+            f"reward {self.name} returned None for {skipped} of {count} completions{where}: taken as TRL's 'skip this "
+            "example' (each gets its group's mean reward, so no advantage; 0.0 when the whole group is None); this "
+            "warning is shown once",
+            stacklevel=3,
+        )
 
 
 def short(value: Any) -> str:
