@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lit_gmc.data.tasks.base import Task
-from lit_gmc.errors import UserError
+from lit_gmc.errors import UserError, first_line
+
+# How often a wait for a reward looks at the clock and at ``stop``: a SIGTERM is acted on within this.
+POLL_S = 0.1
 
 
 def function_name(function: Callable) -> str:
@@ -59,25 +64,47 @@ class Reward:
     too): checked where rewards enter, since one would make every rule's gradient non-finite. Rewards outside
     ``[0, 1]`` (where ``Task.score`` documents them) are used as they are, with one warning that shows the values.
 
+    A call that raises is one :class:`UserError` naming the function and its error (the traceback stays chained
+    for ``python -X dev``-style debugging). A call that takes longer than ``timeout_s`` is one :class:`UserError`
+    naming the function and the option: the call runs in a daemon thread while the caller waits for it, so a
+    reward that hangs stops the run, and a ``stop`` that turns true (a SIGTERM) ends the wait at once.
+
     Args:
         function: The reward function.
         name: How messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``).
+        timeout_s: Longest one call may take (``--data.reward_timeout_s``); ``None``: no limit, called in the
+            caller's thread.
+        stop: Polled while waiting; true: the wait ends with :class:`RewardInterrupted`.
     """
 
-    def __init__(self, function: Callable, name: str) -> None:
+    def __init__(
+        self,
+        function: Callable,
+        name: str,
+        timeout_s: float | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> None:
         if not callable(function):
             raise UserError(f"reward {name} is not callable (got {type(function).__name__})")
         self.function = function
         self.name = name
         self.convention = calling_convention(function, name)
         self.warned_scale = False
+        self.timeout_s = timeout_s
+        self.stop = stop
 
     @classmethod
-    def of(cls, reward: Callable | None, task: Task) -> Reward:
+    def of(
+        cls,
+        reward: Callable | None,
+        task: Task,
+        timeout_s: float | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> Reward:
         """``--data.reward`` when given, else the task's own ``score``."""
         if reward is not None:
-            return cls(reward, f"--data.reward {function_name(reward)}")
-        return cls(task.score, f"{type(task).__name__}.score (the task's reward)")
+            return cls(reward, f"--data.reward {function_name(reward)}", timeout_s, stop)
+        return cls(task.score, f"{type(task).__name__}.score (the task's reward)", timeout_s, stop)
 
     def __call__(
         self, completions: Sequence[str], answer: str, prompt: str = "", prompt_id: int | None = None
@@ -86,10 +113,54 @@ class Reward:
         completions = list(completions)
         if self.convention == "trl":
             count = len(completions)
-            result = self.function(prompts=[prompt] * count, completions=completions, answer=[answer] * count)
+            kwargs = {"prompts": [prompt] * count, "completions": completions, "answer": [answer] * count}
+            result = self.timed(lambda: self.function(**kwargs), prompt_id)
         else:
-            result = self.function(completions, answer)
+            result = self.timed(lambda: self.function(completions, answer), prompt_id)
         return self.checked(result, len(completions), prompt_id)
+
+    def timed(self, call: Callable[[], Any], prompt_id: int | None) -> Any:
+        """``call()``, its error and its time limit reported as one :class:`UserError` naming the function."""
+        where = f" on prompt {prompt_id}" if prompt_id is not None else ""
+        if self.timeout_s is None:
+            try:
+                return call()
+            except Exception as err:
+                raise self.raised(err, where) from err
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["result"] = call()
+            except BaseException as err:  # reported in the waiting thread
+                outcome["error"] = err
+            finally:
+                done.set()
+
+        # A daemon thread: one that never returns is left behind and does not keep the process alive at exit.
+        threading.Thread(target=run, name="lit_gmc-reward", daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(min(POLL_S, max(deadline - time.monotonic(), 0.0))):
+            if self.stop():
+                raise RewardInterrupted(f"reward {self.name}: the wait for it was interrupted{where}")
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"reward {self.name} did not return within {self.timeout_s:g} s{where} "
+                    "(--data.reward_timeout_s): the run stops here; make the reward faster or raise the limit"
+                )
+        if "error" in outcome:
+            err = outcome["error"]
+            if not isinstance(err, Exception):
+                raise err
+            raise self.raised(err, where) from err
+        return outcome["result"]
+
+    def raised(self, err: Exception, where: str) -> UserError:
+        """The one-line error for a reward call that raised ``err`` (a ``UserError`` of its own stays as it is)."""
+        if isinstance(err, UserError):
+            return err
+        return UserError(f"reward {self.name} raised {type(err).__name__}{where}: {first_line(err)}")
 
     def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
         """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned."""
@@ -121,6 +192,10 @@ class Reward:
                 stacklevel=2,
             )
         return rewards
+
+
+class RewardInterrupted(Exception):
+    """A wait for a reward ended because ``stop`` turned true (a SIGTERM): the run is stopping."""
 
 
 def short(value: Any) -> str:
