@@ -63,9 +63,10 @@ class Samples(Callback):
 
     Needs: a training batch with the :class:`SampledBatch` fields, and a tokenizer with ``batch_decode``, passed as
     ``tokenizer`` or found as ``trainer.datamodule.tokenizer`` when training starts. Writes to every logger whose
-    ``experiment`` has ``add_text`` (TensorBoard's ``SummaryWriter``), on global rank 0 only, at step
-    ``n = global_step - 1`` (the update's index, as its scalars). The delay of a row is ``n - version``. Prompts are
-    decoded with their special tokens (a chat template's markers, as the model sees them), completions without.
+    ``experiment`` has ``add_text`` (TensorBoard's ``SummaryWriter``), on global rank 0 only (the other ranks need no
+    tokenizer and do nothing, so the callback runs on every rank), at step ``n = global_step - 1`` (the update's
+    index, as its scalars). The delay of a row is ``n - version``. Prompts are decoded with their special tokens (a
+    chat template's markers, as the model sees them), completions without.
 
     Args:
         every_n_steps: Updates between two logged tables (the first update is always logged).
@@ -93,7 +94,9 @@ class Samples(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._decoder(trainer)  # fail before the first update, not after it
+        # Only global rank 0 writes tables, and only it has the tokenizer: under DDP the other ranks start no engine.
+        if trainer.is_global_zero:
+            self._decoder(trainer)  # fail before the first update, not after it
         self._logged_first = False
 
     @override

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
 
@@ -39,7 +40,7 @@ from lit_gmc.data.tasks.base import (
     prompts_in_chat_template,
     truncate_prompt,
 )
-from lit_gmc.data.tasks.reward import Reward
+from lit_gmc.data.tasks.reward import Reward, RewardInterrupted
 from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
@@ -170,6 +171,14 @@ class RolloutDataModule(pl.LightningDataModule):
         rank0_wait_hours: Under several processes, how long the other ranks wait for global rank 0 while it
             generates, evaluates or checkpoints (a FIFO fill, a ``Sync`` round, a benchmark) before they give up;
             these waits use their own gloo group with this timeout, not ``--trainer.strategy.timeout``.
+        reward_timeout_s: Longest one call of the reward (one prompt's ``group_size`` completions) may take before
+            the run stops with an error naming it. The default suits the ``Math`` verifier, which bounds each check
+            at 10 s (``--data.task.init_args.verifier.timeout_s``) over 2 worker processes: 32 checks take at most
+            160 s. The reward runs in a helper thread while the learner waits, so a reward that times itself with
+            ``signal.alarm`` (math-verify's ``parse``/``verify`` with their default timeouts) must turn that off
+            (``parsing_timeout=None``, ``timeout_seconds=None``) or use ``null``: no limit, called in the
+            learner's thread. A SIGTERM (preemption) ends the wait at once and saves ``last.ckpt`` of the last
+            update, as between two updates (one process; schedules that generate on request).
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): linked from --trainer.max_steps: a finished run may
@@ -195,14 +204,16 @@ class RolloutDataModule(pl.LightningDataModule):
         refill_on_extend: bool = False,
         recompute_behavior_logprobs: bool = False,
         rank0_wait_hours: float = 12.0,
+        reward_timeout_s: float | None = 300.0,
     ) -> None:
         super().__init__()
         check_options("data", self.option_problems(group_size, batch_prompts, max_new_tokens, temperature, top_p,
-                                                   total_updates, rank0_wait_hours, max_prompt_tokens))  # fmt: skip
+                                                   total_updates, rank0_wait_hours, max_prompt_tokens,
+                                                   reward_timeout_s))  # fmt: skip
         self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward"])
         self.task, self.engine, self.schedule = task, engine, schedule
-        # checked at start-up (its signature) and on every call (its result)
-        self.score = Reward.of(reward, task, chat_template)
+        # checked at start-up (its signature) and on every call (its result and its time)
+        self.score = Reward.of(reward, task, chat_template, reward_timeout_s, stop=self._sigterm_received)
         self.schedule.plan(total_updates, batch_prompts)
         self.stream: PromptStream | None = None  # built in setup, once the task has the engine's tokenizer
         self.task_prompts: dict[int, Prompt] = {}  # by id, as the task gave them: what TRL-style rewards see
@@ -224,6 +235,7 @@ class RolloutDataModule(pl.LightningDataModule):
         total_updates: int,
         rank0_wait_hours: float = 12.0,
         max_prompt_tokens: int | None = None,
+        reward_timeout_s: float | None = 300.0,
     ) -> list[str]:
         """Every problem with the shared options, named by their init args."""
         problems = []
@@ -243,6 +255,8 @@ class RolloutDataModule(pl.LightningDataModule):
             problems.append(f"rank0_wait_hours={rank0_wait_hours} must be > 0")
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             problems.append(f"max_prompt_tokens={max_prompt_tokens} must be >= 1 (or null: whole prompts)")
+        if reward_timeout_s is not None and not reward_timeout_s > 0:
+            problems.append(f"reward_timeout_s={reward_timeout_s} must be > 0 (or null: no limit)")
         return problems
 
     @property
@@ -394,11 +408,30 @@ class RolloutDataModule(pl.LightningDataModule):
         Rank 0 runs the schedule and tells every rank alike when it is exhausted; every rank must call this.
         """
         if self.world == 1:
-            return None if self.schedule.exhausted else self.next_batch()
+            return None if self.schedule.exhausted else self.next_batch_or_preempted()
         if self.rank != 0:
             return scatter_from_first(None)
         batch = None if self.schedule.exhausted else self.next_batch()
         return scatter_from_first([None] * self.world if batch is None else batch.shards(self.world))
+
+    def next_batch_or_preempted(self) -> RolloutBatch:
+        """:meth:`next_batch`, or Lightning's ``SIGTERMException`` for a SIGTERM while it waits for a reward.
+
+        The state is then put back as it was before the call, so the ``last.ckpt`` that ``RunCheckpoint`` writes
+        for the exception holds the last update's state and resumes the run exactly.
+        """
+        if self.schedule.overlap or self.schedule.running:  # generation in other threads: not undone here
+            return self.next_batch()
+        before = self.state_dict()  # references to the queued batches: a new container, no tensor copied
+        try:
+            return self.next_batch()
+        except RewardInterrupted:
+            self.load_state_dict(before)
+            raise SIGTERMException from None
+
+    def _sigterm_received(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        return bool(trainer is not None and trainer.received_sigterm)
 
     def next_batch(self) -> RolloutBatch:
         """The schedule's next batch, collated; ``info`` records what was consumed (logged as ``schedule/*``)."""

@@ -8,6 +8,7 @@ disk when its file appears.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import warnings
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_gmc.distributed import any_rank, open_rank0_channel, rank_and_world, wait_for_rank0
+from lit_gmc.errors import UserError, first_line
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -45,8 +47,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(staging, path)
+        except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+            raise write_error(path, err) from err
         finally:
             staging.unlink(missing_ok=True)
+
+
+def write_error(path: Path, err: BaseException) -> UserError:
+    """One line for a checkpoint that could not be written (a full disk, most often), naming its path."""
+    free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else None
+    cause = first_line(err) if not isinstance(err, OSError) or not err.strerror else err.strerror
+    space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
+    return UserError(
+        f"checkpoint {path} could not be written ({cause}{space}); earlier checkpoints are intact (a checkpoint is "
+        "written to a temporary file, then renamed): free some space and resume with --ckpt_path last"
+    )
 
 
 # Lightning warns that, under manual optimization, a step checkpoint holds the weights *after* that step's update.

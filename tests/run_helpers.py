@@ -1,8 +1,10 @@
 """Small end-to-end runs of ``python -m lit_gmc fit`` on the tiny actor, in-process or in a subprocess.
 
-Each run gets its own YAML (layered over the embedded default), TensorBoard folder and checkpoint folder,
-and is read back as per-step records: what was consumed (batch id, launch version) and what it gave
-(rewards, loss).
+Each run is the shipped ``configs/tiny.yaml``, as a user passes it (``--config configs/tiny.yaml``), then a small
+YAML of overrides of its own (sizes, TensorBoard and checkpoint folders, callbacks appended to the shipped list with
+``callbacks+``), then command-line overrides. So the shipped callbacks (``Samples`` and ``Diagnostics`` included) run
+in every run test, on every rank. Runs are read back as per-step records: what was consumed (batch id, launch
+version) and what it gave (rewards, loss).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lit_gmc.data.schedules.base import FixedDelay
 from lit_gmc.data.tasks.addition import Addition
 from lit_gmc.tblog import read_scalars
 
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 RECORD_TAGS = ("schedule/batch_id", "schedule/launch_version", "train/reward", "train/loss")
 
 
@@ -57,15 +60,12 @@ def write_config(
     schedule: dict[str, Any] | None = None,
     **data: Any,
 ) -> Path:
-    """A config for a small tiny-actor run named ``name``, logged and checkpointed under ``tmp_path / name``.
+    """Overrides of ``configs/tiny.yaml`` for a small run named ``name``, logged and checkpointed under
+    ``tmp_path / name`` (:func:`fit` and :func:`fit_command` pass the shipped file first, then this one).
 
-    ``every``: checkpoint period (None: no checkpoints); ``schedule``: a :func:`component` (None: the default's).
+    ``every``: checkpoint period (None: no checkpoints); ``extra_callbacks``: appended to the shipped callbacks;
+    ``schedule``: a :func:`component` (None: the shipped one).
     """
-    callbacks: list[dict[str, Any]] = [
-        {"class_path": "lit_gmc.callbacks.weight_sync.WeightSync"},
-        {"class_path": "lit_gmc.callbacks.delays.DelayAccounting"},
-        *(extra_callbacks or []),
-    ]
     checkpoint = (
         {"every_n_train_steps": every, "save_last": True, "save_top_k": -1}
         if every is not None
@@ -78,7 +78,7 @@ def write_config(
             # checkpoints follow the logger: tmp_path / name / checkpoints
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": name}},
-            "callbacks": callbacks,
+            "callbacks+": extra_callbacks or [],
         },
         "checkpoint": checkpoint,
         "data": {"batch_prompts": 2, "group_size": 4, "max_new_tokens": 4, **data,
@@ -90,13 +90,19 @@ def write_config(
 
 
 def fit(config: Path, *args: str, callbacks: list | None = None) -> GMCCLI:
-    """``lit_gmc fit --config config *args`` in this process; ``callbacks`` are added to the config's."""
+    """``lit_gmc fit --config configs/tiny.yaml --config config *args`` in this process; ``callbacks`` are added to
+    the config's."""
     defaults = {"callbacks": callbacks} if callbacks else {}
-    return GMCCLI(args=["fit", "--config", str(config), *args], trainer_defaults=defaults)
+    return GMCCLI(args=["fit", *config_args(config), *args], trainer_defaults=defaults)
+
+
+def config_args(config: Path) -> list[str]:
+    """The shipped ``configs/tiny.yaml``, then the run's overrides ``config``."""
+    return ["--config", str(TINY_CONFIG), "--config", str(config)]
 
 
 def fit_command(config: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "lit_gmc", "fit", "--config", str(config), *args]
+    return [sys.executable, "-m", "lit_gmc", "fit", *config_args(config), *args]
 
 
 def run_subprocess(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

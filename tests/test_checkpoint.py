@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_gmc.checkpoint import AtomicCheckpointIO, RunCheckpoint
+from lit_gmc.errors import UserError
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
@@ -23,7 +24,9 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, mo
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash_half_way)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(
+        UserError, match=rf"checkpoint {path} could not be written \(disk full; [\d.]+ MiB free there\)"
+    ):
         io.save_checkpoint({"global_step": 2}, path)
     monkeypatch.undo()
     assert torch.load(path, weights_only=False) == {"global_step": 1}

@@ -43,9 +43,10 @@ def test_samples_table_escapes_what_markdown_would_break():
 
 def test_a_logged_run_prints_progress_lines_and_logs_samples_to_tensorboard(tmp_path, capsys):
     """4 updates, a line every 2, samples every 3 (and the first): lines at 2 and 4, tables at updates 0 and 3."""
-    samples = {"class_path": "lit_gmc.callbacks.samples.Samples", "init_args": {"every_n_steps": 3, "rows": 3}}
-    config = write_config(tmp_path, "seen", total=4, extra_callbacks=[samples])
-    fit(config, "--trainer.enable_progress_bar", "true", "--progress_every", "2")  # pytest's stdout: no terminal
+    config = write_config(tmp_path, "seen", total=4)
+    samples = ("--trainer.callbacks.init_args.every_n_steps", "3", "--trainer.callbacks.init_args.rows", "3")
+    # The shipped Samples (the last callback of configs/tiny.yaml, so the one these options reach)
+    fit(config, *samples, "--trainer.enable_progress_bar", "true", "--progress_every", "2")  # pytest's stdout: no tty
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("update ")]
     pattern = r"update {}/4 \(\d+%\) \| reward \d\.\d{{3}} \| delay \d+\.\d \| queue \d+ \| [\d.]+ updates/s \| ETA \w+"
     assert len(lines) == 2, lines

@@ -29,9 +29,26 @@ from torch.nn.utils.rnn import pad_sequence
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
 SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring the sampled tokens
+
+
+def check_stop_tokens(tokenizer: Any, actor: str) -> None:
+    """Raise one :class:`UserError` naming ``actor`` if its tokenizer has no EOS token (nor a padding token).
+
+    A response ends at the first EOS and shorter responses are padded, so neither can be guessed; a base model's
+    tokenizer that lacks them is fixed in its ``tokenizer_config.json`` (``"eos_token"``), not here.
+    """
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        tokens = {"eos_token": tokenizer.eos_token_id, "pad_token": tokenizer.pad_token_id}
+        missing = " and ".join(name for name, token in tokens.items() if token is None)
+        raise UserError(
+            f"--model.actor {actor}: its tokenizer has no {missing}; HFEngine ends a "
+            'response at EOS and pads with the padding token (the EOS when none is set): set "eos_token" in the '
+            "actor's tokenizer_config.json"
+        )
 
 
 def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
@@ -126,10 +143,13 @@ class HFEngine(RolloutEngine):
         from lit_gmc.actor import load_actor, resolve_actor_path, tokenizer_at
 
         if self.layout == "colocated":
-            self._attach(*load_actor(actor))
+            model, tokenizer = load_actor(actor)
+            check_stop_tokens(tokenizer, actor)
+            self._attach(model, tokenizer)
             return
         path = resolve_actor_path(actor, "--model.actor")
         tokenizer = tokenizer_at(path, actor)
+        check_stop_tokens(tokenizer, actor)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         self._process = EngineProcess(path, self.batch_rows, threads)
         self.tokenizer, self._version = tokenizer, 0

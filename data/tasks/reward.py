@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lit_gmc.data.tasks.base import Task
-from lit_gmc.errors import UserError
+from lit_gmc.errors import UserError, first_line
+
+# How often a wait for a reward looks at the clock and at ``stop``: a SIGTERM is acted on within this.
+POLL_S = 0.1
 
 
 def function_name(function: Callable) -> str:
@@ -97,14 +102,29 @@ class Reward:
     where rewards enter, since one would make every rule's gradient non-finite. Rewards outside ``[0, 1]`` (where
     ``Task.score`` documents them) are used as they are, with one warning that shows the values.
 
+    A call that raises is one :class:`UserError` naming the function and its error (the traceback stays chained
+    for ``python -X dev``-style debugging). A call that takes longer than ``timeout_s`` is one :class:`UserError`
+    naming the function and the option: the call runs in a daemon thread while the caller waits for it, so a
+    reward that hangs stops the run, and a ``stop`` that turns true (a SIGTERM) ends the wait at once.
+
     Args:
         function: The reward function.
         name: How messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``).
         chat: Whether prompts are in the chat template (``--data.chat_template``): TRL-style functions then get
             messages rather than strings.
+        timeout_s: Longest one call may take (``--data.reward_timeout_s``); ``None``: no limit, called in the
+            caller's thread.
+        stop: Polled while waiting; true: the wait ends with :class:`RewardInterrupted`.
     """
 
-    def __init__(self, function: Callable, name: str, chat: bool = False) -> None:
+    def __init__(
+        self,
+        function: Callable,
+        name: str,
+        chat: bool = False,
+        timeout_s: float | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> None:
         if not callable(function):
             raise UserError(f"reward {name} is not callable (got {type(function).__name__})")
         self.function = function
@@ -114,13 +134,22 @@ class Reward:
         self.keywords = accepted_keywords(function) if self.convention == "trl" else None
         self.warned_scale = False
         self.warned_skip = False
+        self.timeout_s = timeout_s
+        self.stop = stop
 
     @classmethod
-    def of(cls, reward: Callable | None, task: Task, chat: bool = False) -> Reward:
+    def of(
+        cls,
+        reward: Callable | None,
+        task: Task,
+        chat: bool = False,
+        timeout_s: float | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> Reward:
         """``--data.reward`` when given, else the task's own ``score``."""
         if reward is not None:
-            return cls(reward, f"--data.reward {function_name(reward)}", chat)
-        return cls(task.score, f"{type(task).__name__}.score (the task's reward)", chat)
+            return cls(reward, f"--data.reward {function_name(reward)}", chat, timeout_s, stop)
+        return cls(task.score, f"{type(task).__name__}.score (the task's reward)", chat, timeout_s, stop)
 
     @property
     def called_as(self) -> str:
@@ -145,9 +174,9 @@ class Reward:
         completions = list(completions)
         if self.convention == "trl":
             arguments = self.trl_arguments(completions, answer, prompt, completion_ids)
-            result = self.function(**arguments)
+            result = self.timed(lambda: self.function(**arguments), prompt_id)
         else:
-            result = self.function(completions, answer)
+            result = self.timed(lambda: self.function(completions, answer), prompt_id)
         return self.checked(result, len(completions), prompt_id)
 
     def trl_arguments(
@@ -165,6 +194,49 @@ class Reward:
         if self.keywords is None:
             return arguments
         return {key: value for key, value in arguments.items() if key in self.keywords}
+
+    def timed(self, call: Callable[[], Any], prompt_id: int | None) -> Any:
+        """``call()``, its error and its time limit reported as one :class:`UserError` naming the function."""
+        where = f" on prompt {prompt_id}" if prompt_id is not None else ""
+        if self.timeout_s is None:
+            try:
+                return call()
+            except Exception as err:
+                raise self.raised(err, where) from err
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["result"] = call()
+            except BaseException as err:  # reported in the waiting thread
+                outcome["error"] = err
+            finally:
+                done.set()
+
+        # A daemon thread: one that never returns is left behind and does not keep the process alive at exit.
+        threading.Thread(target=run, name="lit_gmc-reward", daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(min(POLL_S, max(deadline - time.monotonic(), 0.0))):
+            if self.stop():
+                raise RewardInterrupted(f"reward {self.name}: the wait for it was interrupted{where}")
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"reward {self.name} did not return within {self.timeout_s:g} s{where} "
+                    "(--data.reward_timeout_s): the run stops here; make the reward faster or raise the limit"
+                )
+        if "error" in outcome:
+            err = outcome["error"]
+            if not isinstance(err, Exception):
+                raise err
+            raise self.raised(err, where) from err
+        return outcome["result"]
+
+    def raised(self, err: Exception, where: str) -> UserError:
+        """The one-line error for a reward call that raised ``err`` (a ``UserError`` of its own stays as it is)."""
+        if isinstance(err, UserError):
+            return err
+        return UserError(f"reward {self.name} raised {type(err).__name__}{where}: {first_line(err)}")
 
     def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
         """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned.
@@ -218,6 +290,10 @@ class Reward:
             "warning is shown once",
             stacklevel=3,
         )
+
+
+class RewardInterrupted(Exception):
+    """A wait for a reward ended because ``stop`` turned true (a SIGTERM): the run is stopping."""
 
 
 def short(value: Any) -> str:
