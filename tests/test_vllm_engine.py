@@ -242,14 +242,17 @@ def test_request_seeds_of_a_call_are_spread_apart():
     assert min(b - a for a, b in zip(spans, spans[1:], strict=False)) > 64
 
 
-def test_tied_head_is_cloned_only_when_missing():
-    emb = torch.randn(5, 3)
-    named = dict(with_tied_head([("model.embed_tokens.weight", emb)], tied=True))
-    assert torch.equal(named["lm_head.weight"], emb) and named["lm_head.weight"].data_ptr() != emb.data_ptr()
+def test_tied_head_is_the_embedding_itself_right_after_it_and_sent_once():
+    emb, norm = torch.randn(5, 3), torch.randn(3)
+    named = list(with_tied_head([("model.embed_tokens.weight", emb), ("model.norm.weight", norm)], tied=True))
+    assert [name for name, _ in named] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    assert named[1][1] is emb  # no clone: vLLM copies what it loads
     assert "lm_head.weight" not in dict(with_tied_head([("model.embed_tokens.weight", emb)], tied=False))
-    head = torch.randn(5, 3)
-    given = dict(with_tied_head([("model.embed_tokens.weight", emb), ("lm_head.weight", head)], tied=True))
-    assert given["lm_head.weight"] is head
+    given = list(with_tied_head([("model.embed_tokens.weight", emb), ("lm_head.weight", emb)], tied=True))
+    assert [name for name, _ in given] == ["model.embed_tokens.weight", "lm_head.weight"]
+    head = torch.randn(5, 3)  # an untied model's own head passes unchanged
+    assert dict(with_tied_head([("model.embed_tokens.weight", emb), ("lm_head.weight", head)], tied=False))[
+        "lm_head.weight"] is head  # fmt: skip
 
 
 def test_recompute_replaces_engine_logprobs_with_the_learner_ones(char_tokenizer):

@@ -34,7 +34,7 @@ class LoopbackClient:
         from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_bucket
 
         self.announced.append(json.loads(json.dumps(update_info)))  # what HTTP would carry
-        receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, self.received.__setitem__)
+        receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, self.received.update)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.version = weight_version
@@ -152,6 +152,36 @@ def test_a_loading_error_surfaces_once_the_whole_bucket_is_received(gloo_pair):
     assert client.version == "1"
 
 
+def test_a_load_that_fails_mid_bucket_leaves_the_group_in_step(gloo_pair):
+    """vLLM's ``load_weights`` consumes a bucket's tensors as they arrive; when it raises part-way, the rest of the
+    bucket is still received (the trainer is broadcasting it), the error reaches the trainer, and the next update
+    arrives whole and exact."""
+    from lit_gmc.data.engines.weight_transfer import BucketSender, GlooUpdateInfo, receive_bucket
+
+    class FailingLoad(LoopbackClient):
+        fail = True
+
+        def update_weights(self, update_info: dict) -> None:
+            def load(named):
+                for name, tensor in named:
+                    if self.fail and name == "norm":
+                        raise RuntimeError("no such parameter: norm")
+                    self.received[name] = tensor
+
+            receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, load)
+
+    client = FailingLoad(gloo_pair[1])
+    sender = BucketSender(client, sent_buffers(gloo_pair[0], set()), 1 << 10, torch.bfloat16)  # one bucket
+    with pytest.raises(RuntimeError, match="no such parameter: norm"):
+        sender.send(iter(model_like()))
+    assert list(client.received) == ["embed"] and client.version is None
+    client.fail, client.received = False, {}
+    sender.send(iter(model_like()), version="1")
+    for name, tensor in model_like():
+        assert torch.equal(client.received[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+    assert client.version == "1"
+
+
 def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
     from lit_gmc.data.engines.vllm_serve import free_port
     from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
@@ -159,7 +189,7 @@ def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
     _, alone = open_gloo_group("127.0.0.1", free_port(), 0, 1, 10)
     info = GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[2], stops=[4])
     with pytest.raises(ValueError, match="w: a piece from element 2 does not continue"):
-        receive_bucket(alone, info, {}, print)
+        receive_bucket(alone, info, {}, list)
     with pytest.raises(ValueError, match="give both starts and stops"):
         GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[0])
     with pytest.raises(ValueError, match=r"differ in length: \[1, 1, 1, 2, 2\]"):

