@@ -9,6 +9,7 @@ never branches on the rule, and checkpoints what :meth:`Correction.state_dict` r
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_args
@@ -107,7 +108,9 @@ class Correction:
     trajectory), so only rules that need them ask."""
 
     def __init__(self, aggregation: O.Aggregation | None = None, **options: Any) -> None:
-        check_options(type(self).__name__, self.option_problems(aggregation=aggregation, **options))
+        own = inspect.signature(type(self)).parameters  # a rule passing **options on (GRPO) still names its own
+        foreign = [f"{name} is not an option of {type(self).__name__}" for name in options if name not in own]
+        check_options(type(self).__name__, foreign + self.option_problems(aggregation=aggregation, **options))
         self.aggregation = aggregation or self.default_aggregation
         for name, value in options.items():
             setattr(self, name, value)

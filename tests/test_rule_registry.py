@@ -101,3 +101,8 @@ def test_every_rule_checks_its_threshold_in_its_constructor_and_logs_it():
         with pytest.raises(ValueError, match=rf"invalid {name} options: {rule.threshold_option}=-1.0 must be finite"):
             rule(**{rule.threshold_option: -1.0})
         assert rule().threshold == getattr(rule(), rule.threshold_option)
+
+
+def test_an_option_a_rule_does_not_take_is_refused_in_python_too():
+    with pytest.raises(ValueError, match="invalid GRPO options: clp is not an option of GRPO"):
+        lit_gmc.rules.GRPO(clp=0.3)  # GRPO passes a subclass's options on to the base, which still refuses a typo
