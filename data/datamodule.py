@@ -15,6 +15,7 @@ collective of the default group, whose timeout a long generation would trip.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -317,6 +318,9 @@ class RolloutDataModule(pl.LightningDataModule):
         longest leaves no room for ``max_new_tokens`` in the actor's context (:func:`context_problem`).
         """
         hp = self.hparams
+        run_folder = getattr(self.trainer.logger, "root_dir", None) if self.trainer is not None else None
+        if run_folder is not None and getattr(self.engine, "log_dir", "") is None:  # launched servers' logs
+            self.engine.log_dir = os.path.join(run_folder, "servers")
         self.engine.start(hp.actor)
         if hp.recompute_behavior_logprobs:
             model, _ = load_actor(resolve_actor_path(hp.actor))

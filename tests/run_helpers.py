@@ -172,6 +172,20 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillProcessAt(pl.Callback):
+    """SIGKILL the process ``pid`` (e.g. a ``vllm serve``) once update ``step`` is done, as when it crashes.
+
+    At the end of the update, after the callbacks listed before it (``WeightSync``'s sync included), so the process
+    dies between a sync and the next rollouts, or during them."""
+
+    def __init__(self, step: int, pid: int) -> None:
+        self.step, self.pid = step, pid
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class ServedWeights(pl.Callback):
     """After each weight sync (list it after ``WeightSync``), global rank 0 appends one JSON line to ``out``: the
     step, each server's weight version and vLLM checksums (``/weight_checker``, by parameter name), and the sha256 of

