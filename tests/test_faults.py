@@ -37,7 +37,18 @@ from run_helpers import (
 
 from lit_gmc.__main__ import PREEMPTED, main
 
-HANG = threading.Event()  # set: the next reward call signals SIGTERM to this process and never returns
+HANG = threading.Event()  # set: the next reward call signals SIGTERM to this process and hangs
+RELEASE = threading.Event()  # set after each test: the hung rewards return, so no test leaves their threads behind
+
+
+@pytest.fixture(autouse=True)
+def release_hung_rewards():
+    yield
+    RELEASE.set()
+    for thread in threading.enumerate():
+        if thread.name == "lit_gmc-reward":
+            thread.join(timeout=10)
+    RELEASE.clear()
 
 
 def raises(completions: list[str], answer: str) -> list[float]:
@@ -47,17 +58,17 @@ def raises(completions: list[str], answer: str) -> list[float]:
 
 def sleeps(completions: list[str], answer: str) -> list[float]:
     """``--data.reward test_faults.sleeps``: a reward that never returns (a verifier stuck on one answer)."""
-    threading.Event().wait()
+    RELEASE.wait()
     return []
 
 
 def hangs_once_signalled(completions: list[str], answer: str) -> list[float]:
     """:func:`~run_helpers.digit_fraction`, except that the call after :data:`HANG` is set sends SIGTERM to this
-    process (a preemption) and then never returns."""
+    process (a preemption) and then hangs until the test ends."""
     if HANG.is_set():
         HANG.clear()
         os.kill(os.getpid(), signal.SIGTERM)
-        threading.Event().wait()
+        RELEASE.wait()
     return digit_fraction(completions, answer)
 
 

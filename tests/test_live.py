@@ -215,11 +215,13 @@ def test_tiny_live_run_consumes_every_chunk_and_leaves_no_thread(tmp_path):
 def test_tiny_live_worker_error_stops_fit_within_seconds(tmp_path):
     config = write_config(tmp_path, "boom", total=50, schedule=component("Live", chunk_prompts=1),
                           task={"class_path": "test_live.ExplodingAddition"})
-    with pytest.raises(RolloutWorkerError, match="ArithmeticError: the scorer exploded on purpose") as caught:
+    with pytest.raises(RolloutWorkerError, match=r"score \(the task's reward\) raised ArithmeticError on prompt \d+: "
+                       "the scorer exploded on purpose") as caught:
         fit(config)
     assert time.monotonic() - ExplodingAddition.failed_at < 5.0
-    assert isinstance(caught.value.__cause__, ArithmeticError)
-    assert "score" in [frame.name for frame in traceback.extract_tb(caught.value.__cause__.__traceback__)]
+    raised = caught.value.__cause__.__cause__  # the reward's own error, under the line that names the reward
+    assert isinstance(raised, ArithmeticError)
+    assert "score" in [frame.name for frame in traceback.extract_tb(raised.__traceback__)]
     assert not our_threads()
 
 
