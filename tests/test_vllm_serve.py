@@ -305,6 +305,10 @@ class TestVLLMServers:
         done = fit_in_subprocess(config, saved_actor[0], tmp_path, "--ckpt_path", "last")
         assert done.returncode == 0, done.stderr[-4000:]
         assert_reproduces(tmp_path / "broken", one_server_run)
+        # The diagnostics' on-policy gap through a real server: update 0 trains on rows of version 0 only.
+        reference = read_scalars(one_server_run)
+        assert dict(reference["diag/gap/on_policy_rows"])[0] > 0
+        assert 0 <= dict(reference["diag/gap/token_abs_max"])[0] <= FP32_TOLERANCE
 
         def left(group: int) -> list[str]:
             """The names of the group's processes still running (not zombies waiting for their parent)."""
