@@ -18,13 +18,15 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from lit_gmc.errors import UserError, UserFileNotFoundError, first_line
 
@@ -111,6 +113,8 @@ def context_problem(
 def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer (one token per character) with pad, EOS and unk tokens."""
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    from transformers import PreTrainedTokenizerFast
+
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -119,6 +123,8 @@ def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFa
 
 def build_tiny_model(recipe: TinyRecipe, vocab_size: int, pad_id: int, eos_id: int) -> Qwen3ForCausalLM:
     """A randomly initialised Qwen3 with the recipe's shape (tied embeddings, fp32)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # imported when a model is built: not for --help
+
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=recipe.hidden_size,
@@ -319,6 +325,8 @@ def load_actor(actor: str, dtype: torch.dtype = torch.float32, option: str = "--
         UserError: For an actor that cannot be found or loaded (:func:`resolve_actor_path`; an unknown or
             unreachable hub name; a folder that is not a causal LM), naming ``option``.
     """
+    from transformers import AutoModelForCausalLM
+
     path = resolve_actor_path(actor, option)
     tokenizer = tokenizer_at(path, actor, option)
     try:
@@ -335,6 +343,8 @@ def load_tokenizer(actor: str, option: str = "--model.actor"):
 
 def tokenizer_at(path: str, actor: str, option: str = "--model.actor"):
     """:func:`load_tokenizer` for an ``actor`` already resolved to ``path`` (:func:`resolve_actor_path`)."""
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:

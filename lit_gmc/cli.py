@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import inspect
 import logging
 import os
 import sys
 import warnings
 from argparse import ArgumentError
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from importlib.resources import files
 from pkgutil import resolve_name
 from typing import Any
@@ -34,7 +32,14 @@ from lit_gmc.data.tasks import addition, math  # noqa: F401
 from lit_gmc.data.tasks.base import prompt_problem
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule, validate_model_args
-from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, monitored_schedule_problem, refused_options
+from lit_gmc.optim import (
+    CosineWithWarmup,
+    OptimizerSpec,
+    SchedulerSpec,
+    monitored_schedule_problem,
+    refused_options,
+    unresolved_problems,
+)
 from lit_gmc.options import component_problems
 from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, given_value, parse_error_message, without_option
 from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
@@ -73,40 +78,6 @@ def collect_problems(config: Namespace, given_class: Callable[[str], str | None]
     if isinstance(scheduler, Namespace) and scheduler.get("class_path"):
         problems += monitored_schedule_problem(resolve_name(scheduler.class_path), scheduler.class_path)
     return problems
-
-
-def unresolved_problems(spec: object, flag: str, given_class: Callable[[str], str | None]) -> list[str]:
-    """A problem unless a ``--optimizer``/``--lr_scheduler`` kept as a plain dict is a class of a missing package.
-
-    Such an option parses to a dict only when jsonargparse cannot resolve it: a package not installed here (the
-    Qwen3 configs' bitsandbytes, refused with one message when the optimizer is built), or a bad value of one of
-    the class's options (``--optimizer.lr nan``: YAML's NaN is ``.nan``), where jsonargparse keeps the options and
-    drops the class; then the class is the one the command line gives (``given_class``), if any.
-    """
-    if not isinstance(spec, dict):
-        return []
-    class_path = str(spec.get("class_path") or given_class(flag) or "")
-    package = class_path.partition(".")[0]
-    if spec.get("class_path") and importlib.util.find_spec(package) is None:
-        return []
-    options = spec.get("init_args") or {key: value for key, value in spec.items() if key != "class_path"}
-    if not class_path:
-        shown = " ".join(f"{flag}.{key}={value}" for key, value in options.items())
-        return [f"{shown}: options without a class; give the class first ({flag} torch.optim.AdamW {shown.split()[0]})"]
-    name = class_path.rpartition(".")[2]
-    with contextlib.suppress(ImportError, AttributeError, ValueError):
-        accepted = inspect.signature(resolve_name(class_path)).parameters
-        return [option_problem(flag, name, key, value, accepted) for key, value in options.items()]
-    return [f"{flag} {class_path}: not a class ({flag}.{key}={value} given)" for key, value in options.items()]
-
-
-def option_problem(flag: str, name: str, key: str, value: object, accepted: Mapping[str, inspect.Parameter]) -> str:
-    """``--optimizer.lr=nan: not a valid lr of AdamW (float | Tensor)``, or that the class has no such option."""
-    if key not in accepted:
-        return f"{flag}.{key}: {name} has no option {key} (its options: {', '.join(list(accepted)[1:])})"
-    kind = accepted[key].annotation
-    kind = getattr(kind, "__name__", None) or str(kind).replace("typing.", "").replace("torch.", "")
-    return f"{flag}.{key}={value}: not a valid {key} of {name} ({kind})"
 
 
 def as_dict(value: object) -> object:

@@ -9,8 +9,12 @@ config can be read on a machine without bitsandbytes; building it then fails wit
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Iterable
+import importlib.util
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from pkgutil import resolve_name
 from typing import Any
 
 import torch
@@ -26,6 +30,7 @@ OptimizerSpec = Callable[[Iterable], Optimizer] | dict
 package cannot be imported here (resolved, or refused with one message, by :func:`build_optimizer`)."""
 SchedulerSpec = Callable[[Optimizer], LRScheduler | ReduceLROnPlateau] | dict
 """What ``--lr_scheduler`` parses to: a callable of the optimizer, or ``{class_path, init_args}``."""
+EXAMPLE_CLASSES = {"--optimizer": "torch.optim.AdamW", "--lr_scheduler": "lit_gmc.optim.CosineWithWarmup"}
 
 
 class CosineWithWarmup(LambdaLR):
@@ -115,6 +120,41 @@ def refused_options(cls: type, init_args: dict[str, Any], flag: str) -> list[str
     named = [key for key, value in init_args.items() if refusal({key: value}) is not None] or list(init_args)
     shown = " ".join(f"{flag}.{key}={init_args[key]}" for key in named)
     return [f"{shown}: {cls.__name__} refuses {'it' if len(named) == 1 else 'them'} ({first_line(err)})"]
+
+
+def unresolved_problems(spec: object, flag: str, given_class: Callable[[str], str | None]) -> list[str]:
+    """A problem unless a ``--optimizer``/``--lr_scheduler`` kept as a plain dict is a class of a missing package.
+
+    Such an option parses to a dict only when jsonargparse cannot resolve it: a package not installed here (the
+    Qwen3 configs' bitsandbytes, refused with one message when the optimizer is built), or a bad value of one of
+    the class's options (``--optimizer.lr nan``: YAML's NaN is ``.nan``), where jsonargparse keeps the options and
+    drops the class; then the class is the one the command line gives (``given_class``), if any.
+    """
+    if not isinstance(spec, dict):
+        return []
+    class_path = str(spec.get("class_path") or given_class(flag) or "")
+    package = class_path.partition(".")[0]
+    if spec.get("class_path") and importlib.util.find_spec(package) is None:
+        return []
+    options = spec.get("init_args") or {key: value for key, value in spec.items() if key != "class_path"}
+    if not class_path:
+        shown = " ".join(f"{flag}.{key}={value}" for key, value in options.items())
+        example = f"{flag} {EXAMPLE_CLASSES.get(flag, 'CLASS')} {shown.split()[0]}"
+        return [f"{shown}: options without a class; give the class first ({example})"]
+    name = class_path.rpartition(".")[2]
+    with contextlib.suppress(ImportError, AttributeError, ValueError):
+        accepted = inspect.signature(resolve_name(class_path)).parameters
+        return [option_problem(flag, name, key, value, accepted) for key, value in options.items()]
+    return [f"{flag} {class_path}: not a class ({flag}.{key}={value} given)" for key, value in options.items()]
+
+
+def option_problem(flag: str, name: str, key: str, value: object, accepted: Mapping[str, inspect.Parameter]) -> str:
+    """``--optimizer.lr=nan: not a valid lr of AdamW (float | Tensor)``, or that the class has no such option."""
+    if key not in accepted:
+        return f"{flag}.{key}: {name} has no option {key} (its options: {', '.join(list(accepted)[1:])})"
+    kind = accepted[key].annotation
+    kind = getattr(kind, "__name__", None) or str(kind).replace("typing.", "").replace("torch.", "")
+    return f"{flag}.{key}={value}: not a valid {key} of {name} ({kind})"
 
 
 def monitored_schedule_problem(cls: type, class_path: str) -> list[str]:

@@ -112,7 +112,7 @@ def test_an_unreachable_actor_names_export_s_actor_option(tmp_path, tiny_actor_d
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
 
     with monkeypatch.context() as patched:
-        patched.setattr(lit_gmc.actor.AutoTokenizer, "from_pretrained", unreachable)
+        patched.setattr(AutoTokenizer, "from_pretrained", unreachable)  # the class lit_gmc.actor loads with
         with pytest.raises(UserError) as refused:
             export_checkpoint(ckpt, tmp_path / "hf")
     message = str(refused.value)
