@@ -352,3 +352,23 @@ def tokenizer_at(path: str, actor: str, option: str = "--model.actor"):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lit_gmc.actor [ACTOR]``: print the folder ``ACTOR`` loads from (default ``tiny``).
+
+    For ``tiny``, the cached tiny actor's folder (``$LIT_GMC_CACHE/tiny-<key>``), built first if it is not there:
+    what ``vllm serve --model`` needs to serve the same weights as ``--model.actor tiny``.
+    """
+    import sys
+
+    actor = (list(sys.argv[1:]) if argv is None else list(argv)) or ["tiny"]
+    try:
+        print(resolve_actor_path(actor[0], "actor"))
+    except UserError as err:
+        print(f"lit_gmc: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,7 @@ from run_helpers import component, fit, records, write_config
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.schedules.live import THREAD_PREFIX, Live, RolloutWorkerError
 from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.errors import UserError
 
 
 class VersionedGroups:
@@ -215,13 +216,15 @@ def test_tiny_live_run_consumes_every_chunk_and_leaves_no_thread(tmp_path):
 def test_tiny_live_worker_error_stops_fit_within_seconds(tmp_path):
     config = write_config(tmp_path, "boom", total=50, schedule=component("Live", chunk_prompts=1),
                           task={"class_path": "test_live.ExplodingAddition"})
-    with pytest.raises(RolloutWorkerError, match=r"score \(the task's reward\) raised ArithmeticError on prompt \d+: "
-                       "the scorer exploded on purpose") as caught:
+    # The reward's error as one line naming it (a UserError, which python -m lit_gmc prints alone), its cause chained
+    with pytest.raises(RolloutWorkerError, match=r"ExplodingAddition.score \(the task's reward\) raised "
+                       r"ArithmeticError on prompt \d+: the scorer exploded on purpose") as caught:  # fmt: skip
         fit(config)
     assert time.monotonic() - ExplodingAddition.failed_at < 5.0
-    raised = caught.value.__cause__.__cause__  # the reward's own error, under the line that names the reward
-    assert isinstance(raised, ArithmeticError)
-    assert "score" in [frame.name for frame in traceback.extract_tb(raised.__traceback__)]
+    assert isinstance(caught.value.__cause__, UserError)
+    exploded = caught.value.__cause__.__cause__
+    assert isinstance(exploded, ArithmeticError)
+    assert "score" in [frame.name for frame in traceback.extract_tb(exploded.__traceback__)]
     assert not our_threads()
 
 
