@@ -67,6 +67,8 @@ def foreign_option(message: str) -> tuple[str, str] | None:
         name += f" has no option {option[1]}"
     if key[1] == "model.correction" and option[1] in GMC_ONLY:
         name += "; the Corollary-1 cap schedule is GMC's alone (its rate is derived for GMC's group-mass cap)"
+    if key[1] == "data.task" and option[1] == "chat_template":
+        name += "; every task's prompts are wrapped by the DataModule's switch, --data.chat_template true"
     return flag, f"{flag}: {name}"
 
 

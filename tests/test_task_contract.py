@@ -156,3 +156,12 @@ def test_samples_show_the_prompt_as_the_model_sees_it_with_the_template_s_marker
     batch = collate_groups([group, group], pad_id=tokenizer.pad_token_id)
     table = Samples(rows=1).table(batch, step=2, tokenizer=tokenizer)
     assert table.splitlines()[-1] == "| <\\|user\\|>1+2=<\\|assistant\\|> | 3 | 1.000 | 2 |"
+
+
+def test_a_task_s_own_chat_template_option_points_to_the_datamodule_switch(tmp_path, monkeypatch):
+    (tmp_path / "letters.py").write_text(textwrap.dedent(LETTER_COUNT))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_config(tmp_path, "letters", total=2, task={"class_path": "letters.LetterCount"})
+    line = main_error_line(monkeypatch, "fit", "--config", str(config), "--data.task.chat_template", "true")
+    assert line.startswith("lit_gmc: error: --data.task.chat_template: LetterCount has no option chat_template"), line
+    assert line.endswith("every task's prompts are wrapped by the DataModule's switch, --data.chat_template true"), line
