@@ -44,12 +44,11 @@ def test_on_policy_gap_by_hand():
 @pytest.mark.slow
 def test_recompute_makes_the_on_policy_gap_exactly_zero_and_both_are_logged(tmp_path):
     """Sync with one inner step: every row is trained on at delay 0 by the weights that sampled it."""
-    diagnostics = {"class_path": "lit_gmc.callbacks.diagnostics.Diagnostics"}
     gaps = {}
     for recompute in (False, True):
         name = f"recompute_{recompute}"
-        config = write_config(tmp_path, name, total=3, extra_callbacks=[diagnostics],
-                              schedule=component("Sync", inner_steps=1))  # fmt: skip
+        # configs/tiny.yaml, which run tests start from, has the Diagnostics callback
+        config = write_config(tmp_path, name, total=3, schedule=component("Sync", inner_steps=1))
         fit(config, "--data.recompute_behavior_logprobs", str(recompute).lower())
         scalars = read_scalars(tmp_path / name)
         gaps[recompute] = {tag: [v for _, v in points] for tag, points in scalars.items()
