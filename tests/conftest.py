@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")  # before any test module (and TRL) is imported
+
+
+@pytest.fixture(autouse=True, scope="session")
+def vllm_logging_level_as_it_was():
+    """Importing TRL (``tests/test_task_contract.py`` does, at collection) sets ``VLLM_LOGGING_LEVEL=ERROR`` in this
+    process, which every ``vllm serve`` launched later inherits, its INFO lines (the weight-update line) gone: the
+    session starts, before any server fixture, with the value this process started with."""
+    if VLLM_LOGGING_LEVEL is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = VLLM_LOGGING_LEVEL
 
 
 @pytest.fixture(scope="session")
