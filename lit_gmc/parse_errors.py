@@ -44,7 +44,7 @@ def bad_value(message: str) -> tuple[str, str] | None:
     return flag, f"{flag}={value[1].strip()}: expected {' or '.join(names)}"
 
 
-GMC_ONLY = {"cap_schedule", "cap_scale", "cap_min", "cap_max"}
+GMC_ONLY = {name for name in inspect.signature(lit_gmc.rules.GMC).parameters if name.startswith("cap_")}  # schedule
 
 
 def foreign_option(message: str) -> tuple[str, str] | None:

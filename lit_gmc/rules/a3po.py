@@ -20,18 +20,16 @@ class A3PO(GRPO):
 
         ``loss_t = -sg(pi_prox / pi_b) min(r A, clip(r, 1 - clip, 1 + clip) A)``.
 
-    Its gradient on an unclipped token is ``-(pi_theta / pi_b) A grad log pi_theta``: the full, unbounded token
-    ratio, the factor the seed paper blames for A-3PO's collapse at 8B. GRPO's advantages, and GRPO's loss exactly
-    when ``tau <= 1``. Logs ``a3po/over_cap_fraction``, the share of real tokens with ``pi_prox / pi_b`` above
-    ``behavior_cap`` (AReaL's 5 when unset, only reported).
+    Its gradient on an unclipped token carries the full, unbounded token ratio ``pi_theta / pi_b``, which the seed
+    paper blames for A-3PO's collapse at 8B; GRPO's loss exactly when ``tau <= 1``. ``a3po/over_cap_fraction``:
+    the share of tokens with ``pi_prox / pi_b`` above ``behavior_cap`` (5 when unset, only reported).
 
     Args:
         clip: Two-sided PPO clip of the ratio to the proximal policy (0.2).
         behavior_cap: ``null`` (the seed paper's A-3PO) or AReaL's ``behav_imp_weight_cap`` (AReaL uses 5): tokens
             with ``pi_prox / pi_b`` above it get no loss (masked, not clamped) but still count in the
             ``token_mean`` denominator.
-        aggregation: Loss aggregation; ``null``: AReaL's ``token_mean`` (token sum over the batch's count of real
-            tokens).
+        aggregation: Loss aggregation; ``null``: AReaL's ``token_mean``.
     """
 
     default_aggregation = "token_mean"

@@ -6,10 +6,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, PolicyTerms
+from lit_gmc.corrections import PolicyTerms
+from lit_gmc.rules._token_level import TokenLevel
 
 
-class CISPO(Correction):
+class CISPO(TokenLevel):
     """CISPO: ``-sg(min(r_t, 1 + eps_high) A_i) log pi_theta(y_t)`` per token.
 
     No lower bound on the weight (the authors set ``eps_low`` out of reach); advantages ``(r_i - mean) / std`` per
@@ -30,10 +31,6 @@ class CISPO(Correction):
     def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
         r = O.per_group(terms.rewards, terms.group_size, "rewards")  # (k, G)
         return O.group_normalized_advantages(terms.rewards, r.mean(-1), terms.group_size)
-
-    @override
-    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.trajectory_ratio(log_rho)
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:

@@ -20,10 +20,9 @@ class GAC(GRPO):
 
     RECONSTRUCTION (DESIGN.md §8; :func:`~lit_gmc.objectives.gac_shift`): with ``c = cos(g, g_prev)``, unchanged
     for ``c <= cosine_low``; the component along ``g_prev`` shrunk until the cosine is ``cosine_low`` for
-    ``cosine_low < c <= cosine_high``; removed above. ``g_prev`` is the previous step's raw gradient (before its own
-    projection, so the cosine the paper monitors never depends on the previous projection), kept whole in
-    checkpoints so that a resumed run projects exactly as an uninterrupted one. Under FSDP2 the sums behind the
-    cosine are taken over the local shards and then over ranks, so the cosine is global.
+    ``cosine_low < c <= cosine_high``; removed above. ``g_prev`` is the previous step's raw gradient (so the
+    monitored cosine never depends on the previous projection), kept whole in checkpoints so that a resumed run
+    projects as an uninterrupted one; under FSDP2 the cosine is summed over ranks.
 
     Args:
         clip: Two-sided PPO clip of the token ratio (0.2).

@@ -21,9 +21,8 @@ class GMC(Correction):
     Args:
         cap: ``eps`` of the ``1 + eps`` cap on each group's mean ratio (the paper's 0.28); unused with
             ``cap_schedule: corollary1``.
-        cap_schedule: ``constant`` (``cap`` at every update) or ``corollary1``: ``eps_n = clip(cap_scale *
-            tau_bar_4^(1/7) * N^(-3/14), cap_min, cap_max)`` from the running fourth delay moment and
-            ``N = --trainer.max_steps`` (Corollary 1, derived for this cap; see :mod:`lit_gmc.eps_schedules`).
+        cap_schedule: ``constant`` (``cap`` at every update) or ``corollary1`` (:mod:`lit_gmc.eps_schedules`):
+            ``eps_n = clip(cap_scale * tau_bar_4^(1/7) * N^(-3/14), cap_min, cap_max)``, ``N = --trainer.max_steps``.
         cap_scale: ``c`` of ``corollary1``; 0.375 gives the paper's 0.28 at the tiny default (delay 8, 1,000 updates).
         cap_min: Lower clip of ``corollary1`` (on-policy data would otherwise get ``eps = 0``).
         cap_max: Upper clip of ``corollary1``.

@@ -9,14 +9,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, PolicyTerms
+from lit_gmc.corrections import PolicyTerms
+from lit_gmc.rules._token_level import TokenLevel
 
 
-class GRPO(Correction):
+class GRPO(TokenLevel):
     """Vanilla GRPO: ``loss_t = -min(r_t A, clip(r_t, 1 - clip, 1 + clip) A)``, advantage ``r_i - mean(r)``.
 
-    Dual clip off. The reported coefficient is the unclipped trajectory ratio: the token clip has no trajectory
-    weight of its own.
+    Dual clip off.
 
     Args:
         clip: Two-sided PPO clip of the token ratio (Shao et al.'s 0.2).
@@ -28,14 +28,6 @@ class GRPO(Correction):
 
     def __init__(self, clip: float = 0.2, aggregation: O.Aggregation | None = None, **options: Any) -> None:
         super().__init__(aggregation, clip=clip, **options)  # options: a subclass's own (GAC's cosines)
-
-    @override
-    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.group_centered_advantages(terms.rewards, terms.group_size)
-
-    @override
-    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.trajectory_ratio(log_rho)
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:

@@ -6,13 +6,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, PolicyTerms
+from lit_gmc.corrections import PolicyTerms
+from lit_gmc.rules._token_level import TokenLevel
 
 
-class TIS(Correction):
+class TIS(TokenLevel):
     """TIS: ``-sg(min(pi_theta(y_t) / pi_engine(y_t), C) A_i) log pi_theta(y_t)`` per token.
 
-    The policy-gradient form, with the current policy as the trainer side; group-centred advantages.
+    The policy-gradient form, with the current policy as the trainer side.
 
     Args:
         C: Cap of the token ratio (2).
@@ -24,14 +25,6 @@ class TIS(Correction):
 
     def __init__(self, C: float = 2.0, aggregation: O.Aggregation | None = None) -> None:
         super().__init__(aggregation, C=C)
-
-    @override
-    def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.group_centered_advantages(terms.rewards, terms.group_size)
-
-    @override
-    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.trajectory_ratio(log_rho)
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:
