@@ -1,18 +1,11 @@
 r"""Evaluate the policy on benchmarks during training: greedy accuracy, avg@n and pass@k, to TensorBoard.
 
-The callback generates through any object with ``generate(prompts, n, sampling)`` (:class:`GenerationEngine`),
-by default the DataModule's ``rollout_engine``, and decodes with the DataModule's ``tokenizer``. It runs at
-the start of a training batch (and at the end of training), after the previous step's weights have been
-published, so it does not depend on where it sits in the callback list; the policy version it actually
-evaluated is recorded next to the step. Benchmark loading, prompts and scoring come from ``lit_gmc.data``,
-imported in ``setup``, so importing this module stays light.
-
-A benchmark is either one of the paper's six math benchmarks, by name (from their hub datasets unless
-``data_dir`` or ``sources`` name local copies, with the two-shot math prompt, a completion scored by its last
-complete ``\boxed{}`` as in the paper), or a :class:`BenchmarkFile`: any JSON/JSONL file with its own question
-and answer columns, prompt template and scorer. The full contract is in ``docs/callbacks.md``.
-
-:func:`evaluate_suites` is the engine-agnostic core, shared with ``scripts/evaluate.py``.
+The callback generates through any :class:`GenerationEngine` (by default the DataModule's ``rollout_engine``) once
+the step's weights are published, whatever its place in the callback list, and records the policy version it
+evaluated. A benchmark is one of the paper's six math benchmarks by name (two-shot prompt, last ``\boxed{}``
+scored), or a :class:`BenchmarkFile` of the user's own; ``lit_gmc.data`` is imported only in ``setup``, so importing
+this module stays light. :func:`evaluate_suites` is the engine-agnostic core, shared with ``scripts/evaluate.py``;
+the full contract is in ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
@@ -39,10 +32,9 @@ PAPER_BENCHMARKS: tuple[str, ...] = ("math500", "gsm8k", "gaokao2023en", "olympi
 class GenerationEngine(Protocol):
     """What evaluation needs from a rollout engine: ``n`` responses per prompt, one group per prompt.
 
-    ``prompts`` have ``text`` (and ``answer``); ``sampling`` has ``temperature`` (0: greedy), ``top_p``,
-    ``max_new_tokens`` and ``seed``. Each returned group has ``response_ids``, a ``(n, L)`` tensor of token ids
-    (padding decodes to nothing with ``skip_special_tokens=True``). An engine that has a ``version`` (the
-    optimizer steps its weights include) gets it recorded next to each evaluation.
+    ``prompts`` have ``text`` and ``answer``; ``sampling`` has ``temperature`` (0: greedy), ``top_p``,
+    ``max_new_tokens`` and ``seed``; each group has ``(n, L)`` ``response_ids``. An engine's ``version`` (the
+    optimizer steps its weights include), if it has one, is recorded with each evaluation.
     """
 
     def generate(self, prompts: Sequence[Any], n: int, sampling: Any) -> list[Any]:
@@ -69,7 +61,7 @@ class BenchmarkFile:
             callable ``question -> prompt``, or its import path (``"my_project.prompts.two_shot"``;
             ``"lit_gmc.data.tasks.math_data.build_prompt"`` is the paper's two-shot math prompt).
         scorer: A callable ``(completions, answer) -> list[float]``, 1.0 for a correct completion and 0.0
-            otherwise, or its import path; ``None`` takes the callback's ``scorer`` (by default the math one).
+            otherwise, or its import path; ``None`` takes the callback's ``scorer`` (a file without either is refused).
         samples: Samples per problem for avg@n and pass@k (the callback's ``samples``, when set, overrides it).
         title: Display name; ``None`` is ``name``.
     """
@@ -113,20 +105,10 @@ def file_suite(
 ) -> Suite:
     """The suite of a :class:`BenchmarkFile`: its rows, prompts from its template, its scorer.
 
-    Args:
-        spec: The benchmark.
-        tokenizer: Counts prompt tokens when ``max_prompt_tokens`` is set (a fast tokenizer).
-        default_scorer: Gives the scorer of a file without one (called only then).
-        ks: pass@k sizes; those above the samples per problem are left out.
-        samples: Samples per problem, overriding the file's own ``samples``.
-        max_problems: Only the first problems.
-        max_prompt_tokens: Prompt budget (longer prompts lose their beginning).
-        chat_template: Wrap each prompt, after the budget cut, in ``tokenizer``'s chat template
-            (:func:`~lit_gmc.data.tasks.base.prompts_in_chat_template`).
-        chat_option: The option that asked for it, named when ``tokenizer`` has no chat template.
-
-    Raises:
-        UserError: Naming the benchmark, for a bad template or scorer, or a missing or malformed file.
+    ``default_scorer()`` gives the scorer of a file without one; ``samples`` overrides the file's own; ``ks`` above
+    it are left out; ``tokenizer`` counts prompt tokens for ``max_prompt_tokens`` and, with ``chat_template``, wraps
+    the cut prompts in its chat template (``chat_option`` is named when it has none). Raises a ``UserError`` naming
+    the benchmark for a bad template or scorer, or a missing or malformed file.
     """
     from lit_gmc.data.tasks.base import Prompt, truncate_prompt
     from lit_gmc.data.tasks.benchmarks import CompletionScorer, load_file_items, prompt_builder, resolve_callable
@@ -197,13 +179,9 @@ def evaluate_suites(
 ) -> dict[str, Any]:
     """Greedy (T = 0) and sampled (T = 1, top-p 1) evaluation of every suite, with macro averages.
 
-    Each suite is scored by its own scorer, or by ``scorer`` when it has none. With ``samples``, every completion
-    is appended to it as one row (:func:`correctness`), labelled with its ``benchmark`` and ``mode`` (``greedy`` or
-    ``sampled``).
-
-    Returns:
-        ``{"benchmarks": {name: {"title", "problems", "n", "greedy", "avg@n", "pass@k"...}},
-        "macro": {"greedy", "avg@n"}}``; values are floats (metrics are synced across processes).
+    Each suite is scored by its own scorer, else by ``scorer``; with ``samples``, every completion is appended to it
+    (:func:`correctness`), labelled with its ``benchmark`` and ``mode``. Returns ``{"benchmarks": {name: {"title",
+    "problems", "n", "greedy", "avg@n", "pass@k"...}}, "macro": {"greedy", "avg@n"}}`` (synced across processes).
     """
     from lit_gmc.data.engines.base import SamplingParams
 
@@ -250,17 +228,13 @@ class Evaluation(pl.Callback):
     r"""Evaluate on benchmarks every ``every_n_steps`` optimizer steps and at ``at_steps``.
 
     Args:
-        benchmarks: Each one a registered math benchmark's name (``math500``, ``gsm8k``, ``gaokao2023en``,
-            ``olympiadbench``, ``minerva``, ``amc23``) or a :class:`BenchmarkFile` (in YAML, a mapping with its
-            fields: ``{name: sums, path: sums.jsonl, template: "{question}=", scorer: my_project.exact}``).
+        benchmarks: Each a registered benchmark's name (:data:`PAPER_BENCHMARKS`) or a :class:`BenchmarkFile` (in YAML,
+            a mapping: ``{name: sums, path: sums.jsonl, template: "{question}=", scorer: my_project.exact}``).
         every_n_steps: Period in optimizer steps (``null``: only ``at_steps``).
         at_steps: Extra steps to evaluate at (the paper: 200, 300, 400, 800); 0 evaluates before training.
-        data_dir: Folder of local benchmark copies under their usual names (``math500_test.jsonl``, ...); ``null`` reads
-            each benchmark from its hub dataset (``lit_gmc.data.tasks.benchmarks.BENCHMARKS``).
-        sources: Per-benchmark override of both: a local JSONL file, a dataset folder laid out like the hub
-            repository, or another hub name.
-        samples: Samples per problem for avg@n and pass@k; ``null`` takes the paper's n (16 for MATH-500,
-            Minerva and AMC23, 8 otherwise).
+        data_dir: Folder of local benchmark copies (``math500_test.jsonl``, ...); ``null``: their hub datasets.
+        sources: Per-benchmark override of both: a JSONL file, a dataset folder laid out like the hub's, a hub name.
+        samples: Samples per problem for avg@n and pass@k; ``null``: the paper's (16: MATH-500, Minerva, AMC23; else 8).
         ks: pass@k sizes (those above a benchmark's n are skipped).
         max_new_tokens: Completion budget.
         max_prompt_tokens: Prompt budget (longer prompts lose their beginning); ``null`` keeps them whole.
@@ -268,14 +242,13 @@ class Evaluation(pl.Callback):
         seed: Seed of the sampling noise (the same at every evaluation, so steps are compared on equal terms).
         verifier_workers: Processes that check answers.
         engine: Engine to generate with; ``null`` takes ``trainer.datamodule.rollout_engine`` at setup.
-        tokenizer: Tokenizer to decode (and count prompt tokens) with; ``null`` takes ``trainer.datamodule.tokenizer``.
+        tokenizer: Tokenizer to decode and count prompt tokens with; ``null`` takes ``trainer.datamodule.tokenizer``.
         scorer: Reward of a completion for the registered benchmarks and for files without a scorer of their own;
-            ``null`` builds the MATH scorer (last ``\boxed{}`` + math-verify) when one of them needs it.
+            ``null`` builds the MATH scorer (last ``\boxed{}`` + math-verify) for the registered ones.
         cut_at_next_problem: For the built scorer: score only the text before an invented next ``Problem:``
             line (a deviation from the paper, which scores the whole completion); match the training reward's.
-        chat_template: Wrap each benchmark prompt, after the ``max_prompt_tokens`` cut, in the tokenizer's chat
-            template as a user turn and the assistant's opening (as ``--data.chat_template`` does for training
-            prompts: set both alike for an instruction-tuned actor); off: the plain benchmark prompt.
+        chat_template: Wrap each prompt, after the ``max_prompt_tokens`` cut, in the tokenizer's chat template, as
+            ``--data.chat_template`` does for training prompts (set both alike for an instruction-tuned actor).
     """
 
     def __init__(
@@ -307,6 +280,10 @@ class Evaluation(pl.Callback):
         files = [spec for spec in benchmarks if isinstance(spec, BenchmarkFile)]
         problems += [f"benchmarks {spec.name!r}: samples={spec.samples} must be >= 1" for spec in files
                      if spec.samples < 1]  # fmt: skip
+        unscored = [spec for spec in files if spec.scorer is None] if scorer is None else []
+        # refused, as by scripts/evaluate.py: the math scorer would score a file's own answers 0.0 without a word
+        problems += [f"benchmarks {spec.name!r}: {spec.path} has no scorer; give it one (an import path, e.g. "
+                     "my_project.exact_match) or give the callback's scorer" for spec in unscored]  # fmt: skip
         odd = [spec for spec in benchmarks if not isinstance(spec, (str, BenchmarkFile))]
         if odd:
             problems.append(f"benchmarks entries must be names or BenchmarkFile, got {odd!r:.200}")

@@ -252,14 +252,26 @@ def test_benchmark_file_mistakes_name_the_benchmark_and_the_option(tmp_path):
         (BenchmarkFile("t", str(good), question="q"), "'t': .*good.jsonl: no column 'q'"),
         (BenchmarkFile("t", str(tmp_path / "missing.jsonl")), "'t': data not found"),
     ]
+    scorer = CompletionScorer(exact_match, "exact_match")  # for the files without one of their own
     for spec, message in cases:
         with pytest.raises(UserError, match=f"^Evaluation: benchmark {message}"):
-            Evaluation(benchmarks=[spec], engine=ScriptedEngine(tokenizer, {}, {}), tokenizer=tokenizer).setup(
-                trainer, None, "fit"
-            )
+            Evaluation(benchmarks=[spec], engine=ScriptedEngine(tokenizer, {}, {}), tokenizer=tokenizer,
+                       scorer=scorer).setup(trainer, None, "fit")  # fmt: skip
     with pytest.raises(UserError) as err:
         Evaluation(benchmarks=[BenchmarkFile("gsm8k", "a.jsonl", samples=0), "gsm8k"])
     assert "must have distinct names" in str(err.value) and "samples=0 must be >= 1" in str(err.value)
+
+
+def test_a_benchmark_file_without_a_scorer_is_refused_unless_the_callback_has_one(tmp_path):
+    """As scripts/evaluate.py refuses it: the math scorer would score the file's own answers 0.0 without a word."""
+    sums = BenchmarkFile("sums", str(tmp_path / "sums.jsonl"))
+    with pytest.raises(UserError) as err:
+        Evaluation(benchmarks=["gsm8k", sums])
+    assert str(err.value).splitlines()[1:] == [
+        f"  benchmarks 'sums': {sums.path} has no scorer; give it one (an import path, e.g. my_project.exact_match) "
+        "or give the callback's scorer"
+    ]
+    Evaluation(benchmarks=["gsm8k", sums], scorer=CompletionScorer(exact_match, "exact_match"))
 
 
 def test_a_scorer_that_is_not_0_1_is_named():
