@@ -1,21 +1,14 @@
 """Delay accounting: the delay distribution of every update and the paper's averaged delay moments.
 
-Reusable in any Lightning project whose ``training_step`` returns the per-trajectory delays ``tau = n - s``
-of the batch it trained on (``outputs["delays"]``). Logs, once per optimizer update, at the update's index
-``trainer.global_step - 1`` (the step the update's other scalars carry):
+Reusable in any Lightning project whose ``training_step`` returns the batch's per-trajectory delays ``tau = n - s``
+(``outputs["delays"]``). Logs once per optimizer update, at its index ``trainer.global_step - 1``:
 
-* ``delay/histogram``: the delays of the batch's trajectories (TensorBoard histogram, when the logger has one);
-* ``delay/tau_bar_2``, ``delay/tau_bar_4``: the running averaged moments ``(1/n) sum_k tau_k^p`` (eq. 11),
-  which the convergence bound depends on; ``delay/running_mean``, the same average for ``p = 1``;
-* ``delay/predicted_mean``: only when the batch's ``info`` carries ``delay_per_length`` (the virtual clock's
-  ``lam / (c_gen + c_update)``): that factor times the running mean completion length ``E[L]``, the
-  steady-state delay the clock predicts, to read next to ``delay/running_mean``.
+* ``delay/histogram``: the batch's delays (TensorBoard only);
+* ``delay/tau_bar_2``, ``delay/tau_bar_4``, ``delay/running_mean``: the running averaged moments (eq. 11);
+* ``delay/predicted_mean``: when the batch's ``info`` carries the virtual clock's ``delay_per_length``, that
+  factor times the running mean completion length, the steady-state delay the clock predicts.
 
-(The per-update mean and max are logged by the learner itself as ``delay/mean`` and ``delay/max``.)
-
-Under gradient accumulation an update spans several batches: their delays (and lengths) are pooled and
-counted as one update when the optimizer steps, i.e. when ``trainer.global_step`` has advanced, which holds
-under automatic and manual optimization alike. The full contract is in ``docs/callbacks.md``.
+Under gradient accumulation the batches of one update are pooled. The full contract is in ``docs/callbacks.md``.
 """
 
 from __future__ import annotations

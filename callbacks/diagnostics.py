@@ -1,37 +1,22 @@
 """Per-update diagnostics of off-policy group RL, logged from what ``training_step`` already computed.
 
-The callback runs no forward pass and knows no model: it reads the dict of detached tensors that
-``training_step`` returns (Lightning hands it to ``on_train_batch_end`` as ``outputs``), so any project
-whose training step returns the keys below can use it. Rows are group-major (row ``b * G + i`` is
-response ``i`` of group ``b``); ``N = B * G`` rows, ``B`` groups, and ``G`` is inferred as ``N / B``.
+The callback runs no forward pass and knows no model: it reads the dict of detached tensors that ``training_step``
+returns (``outputs`` of ``on_train_batch_end``), so any project whose step returns these keys can use it. Every
+key is optional; rows are group-major (row ``b * G + i`` is response ``i`` of group ``b``), ``N = B * G``:
 
-Keys read (every key is optional; a diagnostic is logged when its inputs are present):
+- ``log_rho`` ``(N,)``: trajectory log-ratio ``log pi_theta(y) - log pi_behaviour(y)``
+- ``log_rho_bar`` ``(B,)``: group log mean ratio ``logsumexp_i log rho_i - log G``
+- ``removed_mass`` ``(B,)``: ``(1/G) sum_i (rho_i - c_i)``, the importance mass the rule removed
+- ``ess`` ``(B,)``: group effective sample size ``(sum rho)^2 / sum rho^2``
+- ``rewards``, ``response_lengths`` (real tokens), ``delays`` (``tau = n - s``): ``(N,)`` each
+- ``entropy`` ``(tokens,)``: the current policy's entropy at every real response token
+- ``schedule/draining`` ``()``: 1 once the delay queue drains
+- ``mismatch/abs_mean``, ``mismatch/abs_max`` ``()``: mean and max ``|l - log pi_theta|`` on delay-0 rows' tokens
 
-=========================  ============  ==========================================================
-key                        shape         meaning
-=========================  ============  ==========================================================
-``log_rho``                ``(N,)``      trajectory log-ratio ``log pi_theta(y) - log pi_behaviour(y)``
-``log_rho_bar``            ``(B,)``      group log mean ratio ``logsumexp_i log rho_i - log G``
-``removed_mass``           ``(B,)``      ``(1/G) sum_i (rho_i - c_i)``, importance mass the rule removed
-``ess``                    ``(B,)``      group effective sample size ``(sum rho)^2 / sum rho^2``
-``rewards``                ``(N,)``      rewards
-``response_lengths``       ``(N,)``      real response tokens per row
-``delays``                 ``(N,)``      delay ``tau = n - s`` of each row
-``entropy``                ``(tokens,)`` current policy's entropy at every real response token
-``schedule/draining``      ``()``        1 once the delay queue drains (no new generation)
-``mismatch/abs_mean``      ``()``        mean ``|l - log pi_theta|`` over the delay-0 rows' tokens
-``mismatch/abs_max``       ``()``        its max (both sent only when some row has delay 0)
-=========================  ============  ==========================================================
-
-The engine/learner gap (``gap/...``, :func:`on_policy_gap`): on delay-0 rows ``log rho`` is numerics alone; it
-is logged per sequence and per token. The cross-rule shares (groups GMC would rescale, ``rho_bar > 1 + gmc_cap``;
-trajectories TIC would drop, ``rho > 1 + tic_cap``) use the callback's own thresholds, so runs of different rules
-are compared at one threshold.
-
-Scalars go to every logger's ``log_metrics`` under ``{prefix}/...`` once per optimizer step, at the update just
-taken (``global_step - 1``), not through ``pl_module.log``, which would re-log a one-off value at later steps.
-Histograms and the centred rolling mean of the entropy (written ``window // 2`` updates late) go to TensorBoard
-only. Delay moments belong to the delay accounting callback.
+The cross-rule shares (groups GMC would rescale, trajectories TIC would drop) use the callback's own thresholds,
+so runs of different rules are compared at one value. Scalars go to every logger under ``{prefix}/...`` at the
+update just taken (``global_step - 1``), not through ``pl_module.log``, which would re-log a one-off value later;
+histograms and the centred rolling mean of the entropy go to TensorBoard only.
 """
 
 from __future__ import annotations
@@ -87,9 +72,8 @@ def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
 def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     """Pearson correlation of two ``(N,)`` tensors over the pairs where both are finite, and whether it is defined.
 
-    Undefined (``False``, 0-D bool) when fewer than two pairs remain or either side is constant over them (e.g. the
-    delay under a fixed-delay schedule). ``torch.corrcoef`` would take the non-finite pairs in, and selecting the
-    finite ones by indexing waits for the device; here they are masked out instead, in float64.
+    Undefined (``False``, 0-D bool) when fewer than two pairs remain or either side is constant over them. The
+    non-finite pairs are masked out in float64 (``torch.corrcoef`` takes them in; indexing waits for the device).
     """
     if x.shape != y.shape or x.dim() != 1:
         raise ValueError(f"pearson: x {tuple(x.shape)} and y {tuple(y.shape)} must be the same (N,)")
@@ -112,10 +96,9 @@ def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def tied_fraction(rewards: Tensor, group_size: int) -> Tensor:
-    """Share of groups whose rewards all equal their first exactly (NaN never ties), a float32 0-D tensor.
+    """Share of groups whose rewards all equal their first exactly (NaN never ties; NaN for no groups), 0-D float32.
 
-    The groups whose advantages ``lit_gmc.objectives.tied_groups`` sets to 0, restated so that the callback depends
-    on no lit_gmc module; NaN for no groups.
+    ``lit_gmc.objectives.tied_groups`` restated, so that the callback depends on no lit_gmc module.
     """
     grouped = rewards.reshape(-1, group_size)  # (B, G)
     return (grouped == grouped[:, :1]).all(-1).float().mean()
@@ -132,10 +115,9 @@ def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
 
 
 def centred_rolling_mean(values: Sequence[float], window: int) -> list[float]:
-    """Centred rolling mean of a whole series (the offline form of :class:`CentredRollingMean`, for the plots).
+    """Centred rolling mean of a whole series, as :class:`CentredRollingMean` gives it online (for the plots).
 
-    pandas' ``rolling(window, center=True, min_periods=1).mean()`` gives the same values, but pandas is not a
-    dependency of the package.
+    pandas' ``rolling(window, center=True, min_periods=1).mean()``, without depending on pandas.
     """
     out = []
     for i in range(len(values)):
@@ -148,9 +130,8 @@ class CentredRollingMean:
     """Online centred rolling mean, exactly :func:`centred_rolling_mean` of the pushed series.
 
     Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last ones on
-    :meth:`flush`. The state (the last ``window`` values and two counters) is checkpointable. Written here because
-    the libraries' centred windows (pandas' ``rolling(center=True)``, ``Tensor.unfold``) need the whole series,
-    and a training run has only its past, across restarts.
+    :meth:`flush`; the state is checkpointable. The libraries' centred windows need the whole series, and a
+    training run has only its past.
     """
 
     def __init__(self, window: int) -> None:
@@ -213,15 +194,9 @@ def step_scalars(stats: Mapping[str, Tensor], gmc_cap: float = 0.28, tic_cap: fl
 def step_tensors(
     stats: Mapping[str, Tensor], gmc_cap: float = 0.28, tic_cap: float = 0.28
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Every per-update scalar the stats support, as 0-D tensors on the stats' device (float64 reductions).
+    """Every per-update scalar the ``stats`` support, as 0-D tensors on their device (float64 reductions).
 
-    Args:
-        stats: ``training_step``'s dict (the module docstring lists the keys).
-        gmc_cap: A group counts as rescaled by GMC when ``rho_bar > 1 + gmc_cap``.
-        tic_cap: A trajectory counts as dropped by TIC when ``rho > 1 + tic_cap``.
-
-    Returns:
-        ``tag -> value``, and ``tag -> defined`` for the correlations (see :func:`pearson`).
+    Returns ``tag -> value``, and ``tag -> defined`` for the correlations (:func:`pearson`) and the gap.
     """
     rows, groups = check_stats(stats)
     values = {key: stats[key].detach().double() for key in (*ROW_KEYS, *GROUP_KEYS, "entropy")
@@ -281,12 +256,9 @@ def on_policy_gap(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The engine/learner gap on the rows generated by the current weights (delay 0), ``gap/...`` tags.
 
-    There ``log rho`` would be 0 in exact arithmetic: what is left is the engine's numerics against the learner's.
-    Per sequence, mean and max ``|log rho|``; per token, mean and max ``|l - log pi_theta|`` when the stats carry the
-    learner's ``mismatch/abs_mean`` and ``mismatch/abs_max``; and, over groups whose rows are all at delay 0, the
-    share GMC rescales (``rho_bar > 1 + gmc_cap``) and the share where TIC drops a trajectory (``rho > 1 + tic_cap``):
-    corrections made for numerical reasons alone. Masked reductions (no host sync); a tag is defined only when
-    some row (or group) is on-policy.
+    There ``log rho`` is numerics alone. Per sequence, mean and max ``|log rho|``; per token, the learner's
+    ``mismatch/...`` when given; and over all-delay-0 groups, the shares GMC would rescale and TIC drop from, i.e.
+    corrections made for numerical reasons alone. A tag is defined only when some row (or group) is on-policy.
     """
     on = values["delays"] == 0  # (N,)
     size = values["log_rho"].abs()  # (N,)
@@ -330,11 +302,9 @@ class Diagnostics(pl.Callback):
         entropy_window: Width of the centred rolling mean of the entropy (the paper's Figure 4 uses 25).
         histogram_every_n_steps: Period of the histograms (each costs a binning pass; scalars are every step).
         prefix: Tag prefix.
-        gmc_cap: Diagnostics' own threshold for ``gmc/rescaled_fraction``, the share of groups with
-            ``rho_bar > 1 + gmc_cap`` (GMC at that cap would rescale them). Independent of the trained rule and its
-            threshold, so that runs of every rule are read at one value; the paper's 0.28.
-        tic_cap: Diagnostics' own threshold for ``tic/dropped_fraction``, the share of trajectories with
-            ``rho > 1 + tic_cap`` (TIC at that cap would drop them). Independent of the trained rule; 0.28.
+        gmc_cap: ``gmc/rescaled_fraction`` is the share of groups with ``rho_bar > 1 + gmc_cap``, whatever rule is
+            trained, so that runs of every rule are read at one value (the paper's 0.28).
+        tic_cap: ``tic/dropped_fraction`` is the share of trajectories with ``rho > 1 + tic_cap``, likewise.
     """
 
     def __init__(

@@ -1,11 +1,8 @@
 """Evaluation metrics as torchmetrics ``Metric``s: greedy accuracy, avg@n, unbiased pass@k, macro average.
 
-Every state is a sum reduced with ``"sum"`` across processes, so a benchmark split over ranks gives the
-same numbers as one process (torchmetrics syncs the states in ``compute``). Inputs are 0/1 correctness:
-``(P,)`` for one greedy answer per problem, ``(P, n)`` for ``n`` samples per problem.
-
-The pass@k estimator is the pure function :func:`pass_at_k`; it lives here rather than in
-``lit_gmc.objectives`` so that this package stays light (callbacks never import the learner).
+Every state is a sum across processes, so a benchmark split over ranks gives one process's numbers. Inputs are
+0/1 correctness, ``(P,)`` greedy or ``(P, n)`` sampled. :func:`pass_at_k` lives here rather than in
+``lit_gmc.objectives`` because callbacks never import the learner.
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ PAPER_KS: tuple[int, ...] = (1, 2, 4, 8, 16)
 def pass_at_k(num_correct: Tensor, n: int, k: int) -> Tensor:
     """Unbiased pass@k of Chen et al. (2021, "Evaluating Large Language Models Trained on Code", eq. 1).
 
-    pass@k = 1 - C(n - c, k) / C(n, k): the chance that ``k`` of the ``n`` samples drawn without replacement
-    include a correct one. Computed in the numerically stable product form of the paper,
-    1 - prod_{i = n-c+1}^{n} (1 - k / i), summed in log space, and exactly 1 when ``n - c < k``.
+    pass@k = 1 - C(n - c, k) / C(n, k), in the paper's stable product form 1 - prod_{i = n-c+1}^{n} (1 - k / i),
+    summed in log space, and exactly 1 when ``n - c < k``.
 
     Args:
         num_correct: ``(P,)`` correct samples ``c`` per problem, integers in ``[0, n]``.

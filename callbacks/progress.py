@@ -46,9 +46,8 @@ def progress_line(step: int, total: int, means: dict[str, float], last: dict[str
 class ProgressLines(ProgressBar):
     """Prints one line every ``every_n_updates`` optimizer updates, and at the last, to ``stream`` (stdout).
 
-    The line carries update / ``max_steps``, the ``reward`` and ``delay`` averaged over the updates since the
-    previous line, the ``queue`` depth as it stands, the updates per second over the window and the time left at
-    that rate. Global rank 0 only. After a resume it counts from the restored update.
+    Reward and delay are averaged over the updates since the previous line, as is the rate the time left is
+    estimated at. Global rank 0 only.
 
     Args:
         every_n_updates: Updates between lines; ``None``: about 1% of ``max_steps`` (at least 1).

@@ -61,12 +61,10 @@ def samples_table(
 class Samples(Callback):
     """Logs ``rows`` samples of an update as text (tag ``samples``) at the first update and every ``every_n_steps``.
 
-    Needs: a training batch with the :class:`SampledBatch` fields, and a tokenizer with ``batch_decode``, passed as
-    ``tokenizer`` or found as ``trainer.datamodule.tokenizer`` when training starts. Writes to every logger whose
-    ``experiment`` has ``add_text`` (TensorBoard's ``SummaryWriter``), on global rank 0 only (the other ranks need no
-    tokenizer and do nothing, so the callback runs on every rank), at step ``n = global_step - 1`` (the update's
-    index, as its scalars). The delay of a row is ``n - version``. Prompts are decoded with their special tokens (a
-    chat template's markers, as the model sees them), completions without.
+    Needs a training batch with the :class:`SampledBatch` fields and a tokenizer with ``batch_decode``. Writes to
+    every logger whose ``experiment`` has ``add_text``, on global rank 0 only, at the update's index
+    ``n = global_step - 1``. Prompts are decoded with their special tokens (as the model sees them), completions
+    without.
 
     Args:
         every_n_steps: Updates between two logged tables (the first update is always logged).

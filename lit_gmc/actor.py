@@ -1,10 +1,8 @@
 """The actor: any transformers causal LM by hub name or local path, or ``"tiny"``, built here in code.
 
-``"tiny"`` is a ~300k-parameter Qwen3-architecture model with a character tokenizer, given a short
-supervised warm start on the addition task so that RL has a reward signal from the first step (a random
-policy solves about one problem in 4,000). The warm-started model is saved once under the cache
-directory in the standard ``save_pretrained`` layout, so the learner, the HF engine and vLLM all load the
-same weights from disk.
+``"tiny"`` is a ~300k-parameter Qwen3-architecture model with a character tokenizer, warm-started on the addition
+task so that RL has a reward signal from the first step, and saved once in the cache (``save_pretrained`` layout),
+so that the learner, the HF engine and vLLM all load the same weights.
 """
 
 from __future__ import annotations
@@ -82,10 +80,8 @@ def context_problem(
     """Why the longest of these ``(id, text)`` prompts plus ``max_new_tokens`` exceeds ``actor``'s context, or None.
 
     Counted with ``tokenizer`` (the engine's; ``None`` loads the actor's own), without special tokens as the engines
-    encode prompts, against the actor config's ``max_position_embeddings``; an actor whose config states no context
-    length is not checked. Called twice on one story: at start-up, before the model loads, for a task whose prompts
-    exist without a tokenizer, and by the DataModule on the prompts its stream serves, once the engine's tokenizer
-    has set the task up and ``--data.max_prompt_tokens`` (given here for the message) has cut them.
+    encode prompts, against the config's ``max_position_embeddings`` (none: not checked). ``max_prompt_tokens`` is
+    only named in the message: the DataModule calls this on the prompts it has cut, the CLI on uncut ones.
     """
     from transformers import AutoConfig
 
@@ -204,11 +200,9 @@ def library_versions() -> dict[str, str]:
 def tiny_actor_fingerprint(recipe: TinyRecipe) -> dict[str, Any]:
     """Everything that determines the cached tiny actor, as JSON-able data; its hash names the cache folder.
 
-    The recipe's numbers alone are not enough: a cache written by older warm-start code, or by another torch
-    (different initialisation or optimizer numerics), would otherwise be reused silently. So the source text of
-    the functions :func:`tiny_actor_builders` lists and the versions :func:`library_versions` reads are part of
-    it. Any edit of those functions, comments included, builds a new actor once (about 10 s); stale folders
-    are left in the cache for the user to delete.
+    Besides the recipe's numbers, the source text of :func:`tiny_actor_builders` and the :func:`library_versions`,
+    so that a cache written by other warm-start code or another torch is never reused silently; stale folders are
+    left in the cache for the user to delete.
     """
     return {
         "recipe": asdict(recipe),
@@ -255,8 +249,7 @@ def ensure_tiny_actor(recipe: TinyRecipe | None = None, cache_dir: str | Path | 
 def resolve_actor_path(actor: str, option: str = "actor") -> str:
     """``"tiny"`` becomes the cached tiny actor's folder; anything else is a hub name or local path.
 
-    ``option`` names where ``actor`` came from, for messages. The default names no flag: besides ``--model.actor``
-    (through :func:`load_actor`, first at start-up), a task's tokenizer option comes here.
+    ``option`` names where ``actor`` came from, for messages (``--model.actor``, a task's tokenizer option...).
 
     Raises:
         UserError: For a local path that is missing, a file, or a folder without ``config.json``, and for a tiny
@@ -357,8 +350,8 @@ def tokenizer_at(path: str, actor: str, option: str = "--model.actor"):
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lit_gmc.actor [ACTOR]``: print the folder ``ACTOR`` loads from (default ``tiny``).
 
-    For ``tiny``, the cached tiny actor's folder (``$LIT_GMC_CACHE/tiny-<key>``), built first if it is not there:
-    what ``vllm serve --model`` needs to serve the same weights as ``--model.actor tiny``.
+    For ``tiny``, the cache folder, built first if need be: what ``vllm serve --model`` needs to serve the same
+    weights as ``--model.actor tiny``.
     """
     import sys
 

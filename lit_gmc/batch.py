@@ -1,9 +1,7 @@
 """The two records that cross the data/learner boundary: one prompt's group and one update's batch.
 
-Layout chosen so the learner can slice the response logits of every row with one index: prompts are
-left-padded to a common width ``P`` and responses right-padded to a common width ``L``, exactly the
-layout in which a causal LM generates them. Position ``P - 1 + t`` of the concatenated row predicts
-response token ``t``.
+Prompts are left-padded to a common width ``P`` and responses right-padded to ``L``, as a causal LM generates them,
+so that position ``P - 1 + t`` of every row predicts response token ``t`` and one index slices all the logits.
 """
 
 from __future__ import annotations
@@ -122,11 +120,9 @@ class RolloutBatch:
     def shards(self, world: int) -> list[RolloutBatch]:
         """One share per rank: ``B / world`` whole groups each, balanced by tokens, each padded to its own width.
 
-        Groups go to ranks by :func:`balanced_partition` of :meth:`group_tokens`, so that no rank computes much
-        longer than the others. A share keeps the whole update's loss normalisers (the shares' losses sum to the
-        batch's loss) and the positions of its groups in the update, by which gathered per-row statistics are put
-        back in the update's order (``lit_gmc.distributed.gather_groups``). Its prompt and response columns are
-        cut to its own longest prompt and response (:meth:`trimmed`). One rank: the batch itself.
+        Groups go to ranks by :func:`balanced_partition` of :meth:`group_tokens`. A share keeps the whole update's
+        loss normalisers (the shares' losses sum to the batch's) and its groups' positions in the update, by which
+        gathered statistics are put back in order; its columns are :meth:`trimmed`. One rank: the batch itself.
         """
         if world == 1:
             return [self]
@@ -201,10 +197,9 @@ class RolloutBatch:
 def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
     """Indices ``0..len(weights)-1`` split into ``parts`` lists of equal length, the largest sum made small.
 
-    The idea of verl's ``balance_batch``, by the simplest deterministic rule: items in decreasing weight (ties by
-    index) each go to the lightest part that still has room (ties to the lowest part). That greedy pass is kept
-    only where its largest part is lighter than that of contiguous blocks (``[0, k)``, ``[k, 2k)``, ...), so the
-    result is never worse than contiguous sharding and, when nothing is gained, is exactly it. Each list is sorted.
+    Items in decreasing weight (ties by index) each go to the lightest part with room (ties to the lowest), kept only
+    where its largest part is lighter than that of contiguous blocks, so it is never worse than contiguous sharding
+    and is exactly it when nothing is gained. Each list is sorted.
     """
     if parts < 1 or len(weights) % parts:
         raise ValueError(f"{len(weights)} items cannot be split into {parts} parts of equal size")

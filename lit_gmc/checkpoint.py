@@ -1,8 +1,7 @@
 """Checkpoint writing: atomic files (a crash while saving never leaves a truncated ``last.ckpt``), final saves.
 
-``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it, with one process or
-several. Every logger is flushed before a checkpoint is written, so the step records a checkpoint covers are on
-disk when its file appears.
+``last.ckpt`` is also written when training ends and when SIGTERM (a preemption) stops it; every logger is flushed
+before a checkpoint is written, so the records it covers are on disk when its file appears.
 """
 
 from __future__ import annotations
@@ -76,37 +75,19 @@ NOT_EMPTY = "exists and is not empty"
 class RunCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that also saves at listed steps, writes ``last.ckpt`` when training ends, and on SIGTERM.
 
-    Lightning's own writes ``last.ckpt`` at the end only if it never wrote one, so with ``every_n_train_steps``
-    the final updates of a run would exist in no checkpoint. ``at_steps`` gives the paper's checkpoints
-    (200/300/400/800), which no single period produces.
+    Lightning's own writes ``last.ckpt`` at the end only if it never wrote one, so with ``every_n_train_steps`` the
+    final updates of a run would be in no checkpoint; ``at_steps`` gives the paper's checkpoints (200/300/400/800).
 
-    Logs: before any checkpoint is written (this callback's, or any other ``trainer.save_checkpoint``), every
-    logger is saved (``logger.save()``; for TensorBoard, the writer's ``flush``, which waits for its queue to be
-    written). TensorBoard's writer thread otherwise lags behind on a slow disk (and a remote file system buffers for
-    up to two minutes), and a run killed after a checkpoint resumes after that checkpoint's step, so the records of
-    the steps it covers would be lost for good. (Lightning builds no callback state for a ``save_weights_only``
-    checkpoint, so none is flushed; such a checkpoint cannot resume a run anyway.) The learner logs an update's
-    scalars in ``training_step`` and ``DelayAccounting`` in ``on_train_batch_end``; Lightning runs
-    ``ModelCheckpoint``'s ``on_train_batch_end`` after every other callback's, so both are flushed with it.
+    Every logger is saved (TensorBoard's writer flushed) before any checkpoint is written: a run resumes after its
+    checkpoint's step, so records still queued for a slow disk would be lost for good. Lightning runs checkpoint
+    callbacks after every other callback, so an update's records are all logged by then.
 
-    Preemption: on SIGTERM Lightning finishes the update in progress (its end-of-step hooks included) and then
-    raises ``SIGTERMException``; this callback then writes ``last.ckpt`` (through the trainer's checkpoint IO,
-    atomic with :class:`AtomicCheckpointIO`), whatever ``save_last`` says, so that ``--ckpt_path last`` resumes
-    the run exactly where it stopped. ``python -m lit_gmc`` then exits with status 143.
-
-    Several processes: Lightning 2.6's own SIGTERM handler broadcasts from inside the signal handler, wherever
-    each process happens to be, so processes that receive the signal at different points desynchronise their
-    collectives, and a signal sent to one process reaches the others only through rank 0's launcher. This callback
-    replaces it, once training starts, with one that only notes the signal; after every update all ranks vote
-    (:func:`~lit_gmc.distributed.any_rank`, on the long-timeout rank-0 channel) and, if any rank was signalled,
-    all of them run Lightning's handler there, at the same point: every rank then stops after the same update,
-    writes the checkpoint together (one file from rank 0, or one folder of shards) and exits with 143.
-
-    Waiting for rank 0: Lightning runs checkpoint callbacks after every other callback (in each hook), and rank 0
-    may still be busy in those (an evaluation, publishing weights) when the other ranks reach their next
-    collective, which is on the default group (this callback's own broadcasts, the next update's). So this
-    callback first waits for rank 0 on the rank-0 channel in ``on_train_start``, ``on_train_batch_start``,
-    ``on_train_batch_end`` and ``on_train_end``; the vote is that wait at the end of an update.
+    On SIGTERM (a preemption) Lightning finishes the update in progress; this callback then writes ``last.ckpt``,
+    whatever ``save_last`` says, and ``python -m lit_gmc`` exits with 143. With several processes Lightning's own
+    handler broadcasts from inside the signal handler, wherever each rank is, which desynchronises collectives: this
+    one only notes the signal, all ranks vote after every update (:func:`~lit_gmc.distributed.any_rank`) and stop
+    after the same one. Each hook first waits for rank 0 on the rank-0 channel, since rank 0 may still be busy in
+    other callbacks (an evaluation, publishing weights) when the others reach their next collective.
 
     Args:
         at_steps: Optimizer steps at which to save, besides every ``every_n_train_steps``; ``null``: none.

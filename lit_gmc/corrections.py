@@ -1,10 +1,8 @@
 """The off-policy rule as a component: the :class:`Correction` base class and what a rule sees and returns.
 
-A rule is one class in one file of :mod:`lit_gmc.rules` (that package's registry finds it): its choice of
-advantages, per-sample coefficients and token loss from :mod:`lit_gmc.objectives`, its one threshold option, its
-authors' aggregation, and the step hooks it needs (VCPO's step size, GAC's projection). LightningCLI builds it from
-``class_path`` + ``init_args``, so an option of one rule cannot be given to another; :class:`lit_gmc.module.GMCModule`
-never branches on the rule, and checkpoints what :meth:`Correction.state_dict` returns.
+A rule is one class in one file of :mod:`lit_gmc.rules`: its choice of advantages, coefficients and token loss from
+:mod:`lit_gmc.objectives`, its one threshold option, its authors' aggregation, and the step hooks it needs.
+:class:`lit_gmc.module.GMCModule` never branches on the rule, and checkpoints its :meth:`Correction.state_dict`.
 """
 
 from __future__ import annotations
@@ -85,11 +83,10 @@ class Correction:
     Its defaults are the paper's plain estimator (eq. 2): coefficients ``rho_i``, leave-one-out advantages, the
     surrogate token loss; a rule overrides the ones it changes (or ``__call__`` as a whole).
 
-    A rule's ``__init__`` takes only its own options, documented in its docstring's ``Args`` (that becomes
-    ``--help``), and passes them to this constructor, which checks them all at once (:meth:`option_problems`, which
-    the CLI also calls on the parsed config) and sets them as attributes. A rule's ``aggregation`` defaults to
-    ``None``, meaning :attr:`default_aggregation`: jsonargparse carries the options a new ``--model.correction``
-    shares with the previous one over to it, and a default written out would replace the new rule's own.
+    A rule's ``__init__`` takes only its own options (its ``Args`` become ``--help``) and passes them here, to be
+    checked at once (:meth:`option_problems`) and set as attributes. Its ``aggregation`` defaults to ``None``
+    (:attr:`default_aggregation`): jsonargparse carries shared options over to a new ``--model.correction``, and a
+    default written out would replace the new rule's own.
 
     Args:
         aggregation: ``seq_sum_over_T`` (the paper's ``1/(T B G)``), ``token_mean`` or ``seq_mean_token_mean``;

@@ -1,8 +1,7 @@
 """Running delay moments: the paper's averaged moments ``tau_bar_p = (1/n) sum_{k<n} tau_k^p`` (eq. 11).
 
-``tau_k`` is the delay of update ``k``; when the groups of one update have different delays (the live
-schedule), update ``k`` contributes the mean of ``tau^p`` over its trajectories. ``tau_bar_4`` is what the
-convergence bound and Corollary 1's threshold ``eps* = Theta(tau_bar_4^(1/7) N^(-3/14))`` depend on.
+An update whose groups have different delays (the live schedule) contributes the mean of ``tau^p`` over its
+trajectories. ``tau_bar_4`` is what the convergence bound and Corollary 1's threshold depend on.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Corollary 1's threshold schedule for GMC's cap (``--model.correction.cap_schedule corollary1``).
 
-The paper's experiments keep the cap constant (0.28); ``corollary1`` follows its theory instead, plugging the running
-averaged fourth delay moment ``tau_bar_4`` (eq. 11, the current update included) into the optimal rate
-``eps* = Theta(tau_bar_4^(1/7) N^(-3/14))``: ``eps_n = clip(c * tau_bar_4(n)^(1/7) * N^(-3/14), cap_min, cap_max)``.
-
-GMC's alone: the rate comes from a bound whose bias term is the mass the group cap removes, ``max(0, rho_bar - (1 +
-eps))``. TIC removes whole ratios above the cap, a mass that term does not bound, and no rate is derived for it here;
-the other rules' thresholds are not this cap at all.
+The paper's experiments keep the cap constant (0.28); ``corollary1`` plugs the running averaged fourth delay moment
+(eq. 11, this update included) into the optimal rate: ``eps_n = clip(c * tau_bar_4(n)^(1/7) * N^(-3/14), cap_min,
+cap_max)``. GMC's alone: the rate comes from a bound whose bias term is the mass the group cap removes, which does
+not bound what TIC's cap removes, and the other rules' thresholds are not this cap at all.
 """
 
 from __future__ import annotations

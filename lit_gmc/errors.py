@@ -1,9 +1,8 @@
 """Errors a user caused (an option, a config file, a data file, a checkpoint), told apart from bugs.
 
-``python -m lit_gmc`` prints a :class:`UserError` as one line, ``lit_gmc: error: <message>``, and exits with
-status 2, the status argparse gives a bad option; any other exception is a bug and keeps its traceback. So a
-message raised as a ``UserError`` must stand alone: name the option, file (and line) or checkpoint, and say what
-is wrong with it.
+``python -m lit_gmc`` prints a :class:`UserError` as one line, ``lit_gmc: error: <message>``, and exits with status 2
+(argparse's for a bad option); any other exception keeps its traceback. So a ``UserError`` must stand alone: name
+the option, file (and line) or checkpoint, and say what is wrong with it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``lit-gmc export``: a training checkpoint becomes a transformers ``save_pretrained`` folder.
 
-The folder holds the actor's weights (the learner's ``actor.*`` tensors, i.e. the policy after the checkpoint's
-last update), its config and its tokenizer, so ``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load
-it directly. The checkpoint is a file, or the folder of shards that FSDP2 writes with
-``save_distributed_checkpoint: true`` (its ``meta.pt`` beside ``torch.distributed.checkpoint`` shards, read on
-one process without gathering the optimizer states). The actor named in the checkpoint's hyper-parameters, or
-``--actor`` (a local copy of it), supplies the architecture and tokenizer; the folder is written to a temporary
-sibling and moved into place, so an interrupted export leaves nothing half-done. Every problem with the options,
-the checkpoint or the actor is a :class:`~lit_gmc.errors.UserError` (one line, status 2).
+The folder holds the policy after the checkpoint's last update, its config and tokenizer, so
+``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load it directly. The checkpoint is a file, or the folder
+of shards FSDP2 writes with ``save_distributed_checkpoint: true`` (read on one process, without the optimizer
+states). The folder is written to a temporary sibling and moved into place, so an interrupted export leaves nothing.
 """
 
 from __future__ import annotations
@@ -47,8 +43,8 @@ def actor_state(checkpoint: dict, ckpt_path: str | Path = "the checkpoint") -> d
 def check_fit(shapes: dict[str, tuple[int, ...]], model: torch.nn.Module, ckpt_path: Path, actor: str) -> None:
     """Raise a :class:`UserError` unless ``shapes`` (the checkpoint's actor tensors) are exactly ``model``'s.
 
-    What ``load_state_dict(strict=True)`` checks, said in one line: an actor of another architecture or size
-    than the one trained (a changed local folder, or the wrong ``--actor``).
+    What ``load_state_dict(strict=True)`` checks, in one line: an actor other than the one trained (the wrong
+    ``--actor``, a changed local folder).
     """
     wanted = {name: tuple(value.shape) for name, value in model.state_dict().items()}
     problems = [f"{name} is {list(shapes[name])}, the actor's {list(shape)}" for name, shape in wanted.items()
@@ -63,10 +59,9 @@ def check_fit(shapes: dict[str, tuple[int, ...]], model: torch.nn.Module, ckpt_p
 
 
 def load_sharded_actor(folder: Path, model: torch.nn.Module, actor: str) -> None:
-    """Read the actor's tensors of a sharded checkpoint folder into ``model`` (in place, on this one process).
+    """Read the ``state_dict.actor.*`` tensors of a sharded checkpoint into ``model``, in place, on this process.
 
-    Only the ``state_dict.actor.*`` entries are read, resharded from however many ranks wrote them; the names
-    and shapes are checked against ``model`` first (:func:`check_fit`).
+    They are resharded from however many ranks wrote them, once :func:`check_fit` has checked names and shapes.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -93,14 +88,9 @@ def load_checkpoint_actor(
 ) -> tuple[torch.nn.Module, Any, str]:
     """``(model, tokenizer, actor)``: the actor of a lit_gmc checkpoint (a file or a sharded folder), its weights set.
 
-    Args:
-        ckpt_path: The checkpoint (``last.ckpt``, or the folder FSDP2 writes with ``save_distributed_checkpoint``).
-        actor: The architecture and tokenizer to load the weights into; ``None`` takes the checkpoint's own.
-        option: The flag that sets ``actor``, for messages.
-
-    Raises:
-        UserError: For a path that is no lit_gmc checkpoint, an actor that cannot be loaded, or weights that
-            do not fit it.
+    ``actor`` (set by the flag ``option``, named in messages) is loaded with the weights; ``None`` takes the
+    checkpoint's own. Raises a :class:`UserError` for a path that is no lit_gmc checkpoint, an actor that cannot
+    be loaded, or weights that do not fit it.
     """
     from lit_gmc.actor import load_actor
     from lit_gmc.resume import SHARDED_METADATA, read_checkpoint
@@ -165,10 +155,10 @@ def current_umask() -> int:
 
 
 def resolved_checkpoint(ckpt_path: str, fit_args: list[str]) -> str:
-    """``--ckpt_path`` as given, or for ``last`` the newest ``last*.ckpt`` of the run's checkpoint folder.
+    """``--ckpt_path`` as given, or for ``last`` the newest ``last*.ckpt`` where ``lit-gmc fit FIT_ARGS`` writes.
 
-    The folder is the one ``lit-gmc fit FIT_ARGS`` writes to: ``fit_args`` (the run's ``--config`` files and
-    options) are read by fit's own parser (:class:`~lit_gmc.cli.FitConfig`).
+    ``fit_args`` (the run's ``--config`` files and options) are read by fit's own parser
+    (:class:`~lit_gmc.cli.FitConfig`).
     """
     if ckpt_path != "last":
         return ckpt_path
@@ -186,11 +176,7 @@ def resolved_checkpoint(ckpt_path: str, fit_args: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line of ``lit-gmc export``; a :class:`UserError` reaches ``lit_gmc.__main__``.
-
-    Any option it does not know itself is the run's, as given to ``fit`` (``--config FILE``,
-    ``--trainer.logger.init_args.name NAME``, ...), read by fit's parser to find ``--ckpt_path last``.
-    """
+    """Command line of ``lit-gmc export``; options it does not know are the run's, as given to ``fit``."""
     parser = argparse.ArgumentParser(prog="lit_gmc export", description=__doc__.splitlines()[0], allow_abbrev=False,
                                      epilog="Other options are the run's, as given to fit (--config FILE ...), to find "
                                      "its checkpoint folder for --ckpt_path last (default: runs/addition_tiny/"

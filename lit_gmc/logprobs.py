@@ -1,12 +1,9 @@
 """Token log-probs and entropies of response tokens without materialising full-vocabulary logits at once.
 
-The backbone runs on a micro-batch; the LM head and log-softmax run on chunks of response positions.
-When there are several chunks, each runs under activation checkpointing, so autograd keeps only the hidden
-states of a chunk and recomputes its ``(rows, chunk, V)`` logits during backward. At Qwen3 scale
-(V = 151,936) a chunk of 8 x 512 positions is ~2.5 GB of fp32 logits, whereas the whole batch (64 x 4,096)
-would be ~160 GB. A single chunk is not checkpointed: its logits are alive at the end of the forward and again
-in its backward either way, so checkpointing it lowers no peak and only runs the head a second time (~8% of a
-Qwen3-0.6B update at 4 x 256 tokens, ``docs/performance.md``).
+The backbone runs on a micro-batch; the LM head and log-softmax run on chunks of response positions, each under
+activation checkpointing when there are several, so that autograd keeps a chunk's hidden states, not its
+``(rows, chunk, V)`` logits (at Qwen3's vocabulary, 2.5 GB per 8 x 512 positions). A single chunk is not
+checkpointed: its logits are alive in its backward anyway, so that would only run the head twice.
 """
 
 from __future__ import annotations

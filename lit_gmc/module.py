@@ -124,10 +124,8 @@ class GMCModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Under FSDP2 (:class:`~lit_gmc.strategies.FSDP2Strategy`), shard the actor over the data-parallel mesh.
 
-        Each decoder layer is one ``fully_shard`` unit; the embeddings, final norm and head (tied or not) form the
-        root unit, gathered for the whole of :meth:`forward`. Under any other strategy the actor stays whole.
-        The layers to shard are the classes the transformers model lists in ``_no_split_modules`` (the decoder
-        layer for every causal LM in the library), so any hub actor shards the same way.
+        Each decoder layer (the classes the model lists in ``_no_split_modules``) is one ``fully_shard`` unit; the
+        embeddings, final norm and head form the root unit. Under any other strategy the actor stays whole.
         """
         mesh = self.device_mesh
         if mesh is None or any(isinstance(p, DTensor) for p in self.actor.parameters()):
@@ -182,13 +180,10 @@ class GMCModule(pl.LightningModule):
     def trajectory_grad_norms_sq(self, part: RolloutBatch) -> Tensor:
         """Exact ``||grad_theta log pi_theta(y_i | x_i)||^2`` of every row of ``part``: one backward per trajectory.
 
-        Each row is cut to its real tokens and run alone, so the extra cost is about one forward and backward of
-        the micro-batch at batch size 1. ``torch.autograd.grad`` returns the gradients without touching
-        ``.grad``, so the step's accumulated gradient is unaffected. Cheaper exact schemes (per-layer "ghost"
-        norms from activations and output gradients) need hooks for every layer type, which an arbitrary
-        transformers model does not guarantee. Under FSDP the per-row backward is collective and each rank
-        holds gradient shards: the squared norms would need an all-reduce (SUM) over the shard group.
-        Returns ``(n,)`` detached, in float32 or the actor's dtype if wider.
+        Each row is cut to its real tokens and run alone, through ``torch.autograd.grad``, which leaves the step's
+        ``.grad`` alone. (Per-layer "ghost" norms would be cheaper but need hooks for every layer type, which an
+        arbitrary transformers model does not guarantee.) Under FSDP each rank holds gradient shards: the squared
+        norms would need a sum over the shard group. Returns ``(n,)`` detached, in float32 or a wider actor dtype.
         """
         params = [p for p in self.actor.parameters() if p.requires_grad]
         acc = torch.promote_types(params[0].dtype, torch.float32)  # bf16 gradients are squared and summed in fp32

@@ -298,8 +298,7 @@ def gac_shift(
 ) -> tuple[float, float]:
     """GAC's projection as a multiple of the previous gradient, ``g' = g - shift * g_prev``: ``(cosine, shift)``.
 
-    RECONSTRUCTION (DESIGN.md §8): the exact rule of Xu et al. 2026 was not public when the design was
-    written. With ``c = cos(g, g_prev)``:
+    RECONSTRUCTION (DESIGN.md §8), not Xu et al.'s own code. With ``c = cos(g, g_prev)``:
     - ``c <= low`` (0.05): unchanged (``shift = 0``);
     - ``low < c <= high`` (0.30): the component along ``g_prev`` shrinks until ``cos(g', g_prev) = low``,
       the orthogonal part untouched;
@@ -356,7 +355,6 @@ def token_fraction(selected: Tensor, mask: Tensor) -> Tensor:
 def token_entropy(logprobs: Tensor) -> Tensor:
     """Entropy ``H = -sum_v p_v log p_v`` of each row of normalised log-probs ``(..., V)``. Returns ``(...)``.
 
-    From the log-softmax the loss computes anyway: one ``exp`` and one product over the vocabulary (timing in
-    docs/performance.md).
+    From the log-softmax the loss computes anyway: one ``exp`` and one product over the vocabulary.
     """
     return -(logprobs.exp() * logprobs).sum(-1)  # (...)

@@ -1,10 +1,9 @@
 """The optimizer and learning-rate schedule of a run, as LightningCLI components (``--optimizer``, ``--lr_scheduler``).
 
-``--optimizer`` takes any ``torch.optim.Optimizer`` subclass by import path (``torch.optim.AdamW``, the configs'
-default; ``bitsandbytes.optim.AdamW8bit`` for the Qwen3 configs) and ``--lr_scheduler`` any LR schedule class; the
-module builds both in ``configure_optimizers`` (after FSDP2 has sharded the actor) and steps them itself, once per
-update. An optimizer whose package is not installed here still parses (the config is kept as a dict), so a Qwen3
-config can be read on a machine without bitsandbytes; building it then fails with one :class:`UserError`.
+Any ``torch.optim.Optimizer`` and LR schedule class by import path; the module builds both in
+``configure_optimizers`` (after FSDP2 has sharded the actor) and steps them once per update. An optimizer whose
+package is not installed here still parses (kept as a dict), so that a Qwen3 config can be read on a machine without
+bitsandbytes; building it then fails with one :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -36,12 +35,9 @@ EXAMPLE_CLASSES = {"--optimizer": "torch.optim.AdamW", "--lr_scheduler": "lit_gm
 class CosineWithWarmup(LambdaLR):
     """transformers' cosine schedule with linear warm-up, the warm-up given as a fraction of the run.
 
-    transformers gives this schedule as a function (``get_cosine_schedule_with_warmup``) returning a ``LambdaLR``;
-    LightningCLI builds schedules from classes, so this ``LambdaLR`` takes transformers' multiplier (built once on a
-    one-parameter stand-in optimizer, so the run's optimizer is touched once). One shift, kept from lit_gmc's first
-    runs: warm-up update ``k`` (from 0) uses transformers' multiplier of ``k + 1``, ``(k + 1) / W``, so the first
-    update is not taken at a learning rate of 0; after warm-up the multiplier is transformers' own. The decay ends at
-    0 at ``total_steps`` (``--trainer.max_steps``, filled in by the CLI when not given).
+    transformers gives it as a function returning a ``LambdaLR``, LightningCLI builds schedules from classes: this
+    ``LambdaLR`` takes transformers' multiplier, except that warm-up update ``k`` (from 0) takes the one of ``k + 1``,
+    so that the first update is not taken at a learning rate of 0. The decay ends at 0 at ``total_steps``.
 
     Args:
         optimizer: The optimizer whose learning rate is scheduled.
@@ -60,7 +56,7 @@ class CosineWithWarmup(LambdaLR):
             raise UserError(f"--lr_scheduler.total_steps={total_steps}: CosineWithWarmup needs the planned number of "
                             "updates (set --trainer.max_steps)")  # fmt: skip
         warmup = int(warmup_fraction * total_steps)
-        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # the run's is touched only once
         cosine = get_cosine_schedule_with_warmup(stand_in, warmup, total_steps).lr_lambdas[0]
 
         def multiplier(step: int) -> float:  # a plain function: LambdaLR leaves it out of its state_dict
@@ -125,10 +121,9 @@ def refused_options(cls: type, init_args: dict[str, Any], flag: str) -> list[str
 def unresolved_problems(spec: object, flag: str, given_class: Callable[[str], str | None]) -> list[str]:
     """A problem unless a ``--optimizer``/``--lr_scheduler`` kept as a plain dict is a class of a missing package.
 
-    Such an option parses to a dict only when jsonargparse cannot resolve it: a package not installed here (the
-    Qwen3 configs' bitsandbytes, refused with one message when the optimizer is built), or a bad value of one of
-    the class's options (``--optimizer.lr nan``: YAML's NaN is ``.nan``), where jsonargparse keeps the options and
-    drops the class; then the class is the one the command line gives (``given_class``), if any.
+    jsonargparse keeps such an option as a dict for a package not installed here (refused when the optimizer is
+    built), or for a bad option value (``--optimizer.lr nan``), where it drops the class: then the class is the one
+    the command line gives (``given_class``), if any.
     """
     if not isinstance(spec, dict):
         return []

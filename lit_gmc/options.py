@@ -1,9 +1,8 @@
 """What every data component (delay schedule, rollout engine, task) shares: one way to check its options.
 
-A component is built by LightningCLI from ``class_path`` + ``init_args`` and takes only its own arguments.
-It validates them in a static ``option_problems`` whose parameters are named like its init args; the
-constructor raises through :func:`check_options`, and the CLI calls :func:`component_problems` on the
-parsed config, so that one message names every bad option of a run before anything is built.
+A component checks its init args in a static ``option_problems`` named like them: its constructor raises through
+:func:`check_options`, and the CLI calls :func:`component_problems` on the parsed config, so that one message
+names every bad option of a run before anything is built.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """One check of what a run needs from this machine, before anything loads: every problem in one message.
 
-Options are checked when they are parsed (``lit_gmc.cli``); this checks what they point at. The accelerator and
-its devices, the rollout engine's package (and the engine's own ``preflight_problems(actor)`` when it has one), the
-actor's folder or hub name, the task's data sources (a task class's ``preflight_problems(**init_args)``), and the
-run folder. A hub name is fine when it is cached, or when the hub answers a single quick connection (no retries);
-otherwise the message names the option to point at a local copy and ``HF_HUB_OFFLINE``.
+Options are checked when they are parsed (``lit_gmc.cli``); this checks what they point at: the accelerator, the
+rollout engine's package or its own ``preflight_problems``, the actor, the task's data sources and the run folder.
+A hub name is fine when it is cached or the hub answers one quick connection; otherwise the message names the
+option to point at a local copy and ``HF_HUB_OFFLINE``.
 """
 
 from __future__ import annotations

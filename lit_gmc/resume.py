@@ -1,16 +1,11 @@
 """Resuming checks its checkpoint: a file that is no lit_gmc checkpoint, or one saved under other settings, is refused.
 
-Every checkpoint records the options of the run that wrote it (:class:`RunSettings`, under
-:data:`SETTINGS_KEY`): ``--model.*``, ``--data.*``, ``--optimizer`` and ``--lr_scheduler``, each component's
-class and options, and ``--trainer.precision``. A resume (``fit --ckpt_path``) refuses every difference, listed
-by flag with both values, except what sets how long, how fast, where or how visibly a run goes, not what it
-computes: everything outside those groups (``--trainer.max_steps``, logging, callbacks, devices, ...), the
-options linked to another (:data:`LINKED`), and the options each class declares in its ``may_change_on_resume``
-(``GMCModule``'s memory knobs, ``RolloutDataModule.total_updates``, ``VirtualClock``'s ``overlap``, the engines'
-layout and memory options, ...): the class that owns an option says whether it may change.
-
-Checkpoints written before the settings were recorded are compared on what they hold (the model's and the
-DataModule's saved hyperparameters), which leaves out the components.
+Every checkpoint records its run's options (:class:`RunSettings`): ``--model.*``, ``--data.*``, ``--optimizer``,
+``--lr_scheduler`` (each component's class and options) and ``--trainer.precision``. A resume refuses every
+difference, by flag with both values, except in what sets how long, fast, where or how visibly a run goes: options
+outside those groups, options linked to another (:data:`LINKED`), and those the owning class lists in its
+``may_change_on_resume``. Checkpoints from before the settings were recorded are compared on their saved
+hyperparameters.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A run's folders: one run at a time writes a checkpoint folder, and a resumed run goes on in its logger version.
 
-Checkpoints live in one folder per logger name (``<save_dir>/<name>/checkpoints``, so that ``--ckpt_path last``
-finds them from a new process), while each start of the logger opens a new ``version_N``. Two consequences are
-handled here: two runs in one folder would mix their checkpoints (``last-v1.ckpt`` beside the other's
-``last.ckpt``), so a new run into a folder that holds checkpoints is refused, and while a run goes on it holds a
-lock that refuses a second one started beside it; and a resumed run would show in
-TensorBoard as a second run, so every checkpoint records its logger version and a resume reopens it.
+Checkpoints live in one folder per logger name (so that ``--ckpt_path last`` finds them from a new process), while
+each start of the logger opens a new ``version_N``. So a new run into a folder that holds checkpoints is refused,
+and a running one holds a lock, lest two runs mix their checkpoints; and every checkpoint records its logger
+version, which a resume reopens, lest TensorBoard show it as a second run.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ def lock_folder(folder: str | Path) -> TextIO:
 class RunFolder(pl.Callback):
     """Holds the checkpoint folder's lock while fitting (global rank 0), and records the logger version.
 
-    ``fit`` takes the lock (:meth:`hold`) as soon as the trainer is built, before the logger writes its version
-    folder, so that a run refused for a folder in use writes nothing; and a run that fails before its first update
-    removes the version folder it created, which TensorBoard would list as a run.
+    ``fit`` takes the lock (:meth:`hold`) before the logger writes its version folder, so that a refused run writes
+    nothing; a run that fails before its first update removes the version folder it created.
 
     Args:
         checkpoint_dir: The run's checkpoint folder (``None``: no lock).

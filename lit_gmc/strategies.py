@@ -1,11 +1,9 @@
 """``FSDP2Strategy``: Lightning's ``ModelParallelStrategy`` as pure data-parallel FSDP2, under the name ``fsdp2``.
 
-``ModelParallelStrategy`` defaults to tensor parallelism within a node and data parallelism across nodes; the
-learner shards only over data-parallel ranks (``GMCModule.configure_model``), so this subclass makes every
-process one data-parallel rank. It also writes one full checkpoint file by default (gathered on rank 0 and
-written through the trainer's checkpoint IO, atomically with ``lit_gmc.checkpoint.AtomicCheckpointIO``) rather
-than a folder of shards that a crash mid-save would leave half-written; ``save_distributed_checkpoint: true``
-gives the sharded folder for models whose full state does not fit in rank 0's CPU memory.
+The learner shards only over data-parallel ranks, so every process is one data-parallel rank (Lightning's default
+is tensor parallelism within a node). By default it writes one full checkpoint file, atomically, rather than a
+folder of shards that a crash mid-save would leave half-written; ``save_distributed_checkpoint: true`` gives the
+folder, for models whose full state does not fit in rank 0's CPU memory.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """All scalar series under ``logdir`` (searched recursively for event files), as ``tag -> [(step, value)]``.
 
-    When several event files hold the same tag (a resumed run appends a new file), later files win for
-    a repeated step, so a resumed run reads as one series. TensorBoard's ``EventMultiplexer`` keeps each folder a
-    run of its own and ``EventAccumulator`` reads one folder's files with its own purge rules, so this merge is ours.
+    Later event files win for a repeated step, so a resumed run (a new file) reads as one series; TensorBoard's own
+    readers keep each folder a run of its own.
     """
     files = sorted(Path(logdir).rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
     if not files:
