@@ -228,8 +228,9 @@ class Evaluation(pl.Callback):
     r"""Evaluate on benchmarks every ``every_n_steps`` optimizer steps and at ``at_steps``.
 
     Args:
-        benchmarks: Each a registered benchmark's name (:data:`PAPER_BENCHMARKS`) or a :class:`BenchmarkFile` (in YAML,
-            a mapping: ``{name: sums, path: sums.jsonl, template: "{question}=", scorer: my_project.exact}``).
+        benchmarks: Each a registered benchmark's name (``math500``, ``gsm8k``, ``gaokao2023en``, ``olympiadbench``,
+            ``minerva``, ``amc23``) or a :class:`BenchmarkFile` (in YAML, a mapping: ``{name: sums, path: sums.jsonl,
+            template: "{question}=", scorer: my_project.exact}``).
         every_n_steps: Period in optimizer steps (``null``: only ``at_steps``).
         at_steps: Extra steps to evaluate at (the paper: 200, 300, 400, 800); 0 evaluates before training.
         data_dir: Folder of local benchmark copies (``math500_test.jsonl``, ...); ``null``: their hub datasets.

@@ -67,16 +67,13 @@ def collect_problems(config: Namespace, given_class: Callable[[str], str | None]
         problems += class_problems(config.data[key], f"--data.{key}")
     problems += unresolved_problems(config.get("optimizer"), "--optimizer", given_class)
     problems += unresolved_problems(config.get("lr_scheduler"), "--lr_scheduler", given_class)
-    optimizer = config.get("optimizer")
-    if isinstance(optimizer, Namespace) and optimizer.get("class_path"):
-        init_args = as_dict(optimizer.get("init_args")) or {}
-        problems += refused_options(resolve_name(optimizer.class_path), init_args, "--optimizer")
+    if (optimizer := component(config.get("optimizer"))) is not None:
+        problems += refused_options(*optimizer, "--optimizer")
     every = config.get("progress_every")
     if every is not None and every < 1:
         problems.append(f"--progress_every={every} must be >= 1 (or null: about 1% of the run)")
-    scheduler = config.get("lr_scheduler")
-    if isinstance(scheduler, Namespace) and scheduler.get("class_path"):
-        problems += monitored_schedule_problem(resolve_name(scheduler.class_path), scheduler.class_path)
+    if (scheduler := component(config.get("lr_scheduler"))) is not None:
+        problems += monitored_schedule_problem(scheduler[0], config.lr_scheduler.class_path)
     return problems
 
 
@@ -85,11 +82,17 @@ def as_dict(value: object) -> object:
     return value.as_dict() if isinstance(value, Namespace) else value
 
 
+def component(spec: object) -> tuple[type, dict] | None:
+    """``(class, init_args)`` of a parsed ``class_path`` + ``init_args`` option; None for any other value."""
+    if not (isinstance(spec, Namespace) and spec.get("class_path")):
+        return None
+    return resolve_name(spec.class_path), as_dict(spec.get("init_args")) or {}
+
+
 def class_problems(spec: object, flag: str) -> list[str]:
     """Problems of the options of a component (``class_path`` + ``init_args``) parsed for ``flag``."""
-    if not (isinstance(spec, Namespace) and spec.get("class_path")):
-        return []
-    return component_problems(resolve_name(spec.class_path), as_dict(spec.get("init_args")) or {}, flag)
+    built = component(spec)
+    return [] if built is None else component_problems(*built, flag)
 
 
 def logger_options(config: Namespace) -> Namespace | None:
@@ -100,10 +103,7 @@ def logger_options(config: Namespace) -> Namespace | None:
 
 
 def checkpoint_dir(config: Namespace) -> str | None:
-    """``<save_dir>/<name>/checkpoints`` of the parsed logger config; None when it names no ``save_dir``.
-
-    Fixed for a logger (not per version), so ``--ckpt_path last`` finds the checkpoint from a new version.
-    """
+    """The logger's ``<save_dir>/<name>/checkpoints`` (not per version, for ``--ckpt_path last``); None without one."""
     init_args = logger_options(config)
     if init_args is None or init_args.get("save_dir") is None:
         return None
@@ -123,9 +123,8 @@ def not_a_tip(record: logging.LogRecord) -> bool:
 def quiet_startup() -> None:
     """Silence start-up noise that says nothing about the run (idempotent).
 
-    Lightning's product tips; transformers' weight-loading bars (the actor loads twice, engine and learner, and the
-    tiny one in milliseconds; downloads keep huggingface_hub's bars); and the deprecation warning Lightning's own
-    pytree helper raises under torch >= 2.10, which a user cannot act on.
+    Lightning's product tips, transformers' weight-loading bars (downloads keep huggingface_hub's), and the
+    deprecation warning Lightning's own pytree helper raises under torch >= 2.10, which a user cannot act on.
     """
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(not_a_tip)
@@ -136,9 +135,8 @@ def quiet_startup() -> None:
 class GMCCLI(LightningCLI):
     """Links the options that must agree and reports every invalid option in one message.
 
-    Checkpoints come from the ``checkpoint`` group (:class:`~lit_gmc.checkpoint.RunCheckpoint`), whose folder,
-    unless ``--checkpoint.dirpath`` is given, follows the logger (``<save_dir>/<name>/checkpoints``), so a config
-    fragment that renames the logger moves the checkpoints with it and never has to repeat the callback list.
+    Checkpoints come from the ``checkpoint`` group (:class:`~lit_gmc.checkpoint.RunCheckpoint`), whose folder follows
+    the logger unless ``--checkpoint.dirpath`` is given, so a config that renames the logger moves them too.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -214,9 +212,8 @@ class GMCCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         """Parse as LightningCLI does, then :meth:`check_config`, before the seed is set or anything is built.
 
-        jsonargparse stops at the first value of the wrong type: each one given on the command line is noted and
-        dropped and the rest parsed again, so that all of them are reported with the range problems in one message.
-        Any other parse error is one :class:`UserError` (a YAML syntax error names its ``--config`` file).
+        jsonargparse stops at the first bad value: each one given on the command line is noted and dropped and the
+        rest parsed again, so that all are reported in one message. Any other parse error is one :class:`UserError`.
         """
         argv = None if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
         noted: list[str] = []
@@ -280,11 +277,9 @@ class GMCCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """Build the model, data and trainer once :func:`preflight_problems` finds nothing missing on this machine.
 
-        Then refuse training prompts the tiny actor's character tokenizer cannot encode (:func:`tiny_alphabet_problem`)
-        or that leave no room for ``--data.max_new_tokens`` in the actor's context (:func:`context_problem`), here,
-        before a long start, for a task whose prompts need no tokenizer and that ``--data.max_prompt_tokens`` does
-        not cut. The DataModule checks the context again on the prompts it serves, for every task, once the engine's
-        tokenizer has set the task up and the budget has cut them (``RolloutDataModule.start_engine``).
+        Then, before a long start, refuse training prompts the tiny actor cannot encode or that leave no room for
+        ``--data.max_new_tokens`` in the actor's context, for a task whose prompts need no tokenizer (the DataModule
+        checks every task's prompts again once the engine's tokenizer has set it up).
         """
         problems = preflight_problems(self.subcommand_config())
         if len(problems) == 1:
@@ -331,10 +326,7 @@ class GMCCLI(LightningCLI):
 
 
 class FitConfig(GMCCLI):
-    """Parses a ``fit`` command line as ``fit`` does and stops, building nothing: the run's config, for ``export``.
-
-    The options a run derives (its folder named after its task, its checkpoint folder) are filled in as in ``fit``.
-    """
+    """Parses a ``fit`` command line as ``fit`` does, with its derived options, and builds nothing: for ``export``."""
 
     def __init__(self, args: list[str]) -> None:
         parser = {"default_config_files": [embedded_default()], "exit_on_error": False, "allow_abbrev": False}
@@ -355,7 +347,7 @@ class FitConfig(GMCCLI):
 
 
 def derive_options(config: Namespace) -> None:
-    """Fill in what a run derives from its other options, in place (fit's rules, which export follows too).
+    """Fill in, in place, what a run derives from its other options (fit's rules, which export follows too).
 
     A ``null`` logger name becomes ``<task>_<model>``; without ``--checkpoint.dirpath`` the checkpoints go beside
     the logger; ``CosineWithWarmup`` gets ``--trainer.max_steps`` as its ``total_steps``.
@@ -374,9 +366,9 @@ def default_progress_bar(terminal: bool, every_n_updates: int | None) -> Progres
 class UpdateProgressBar(RichProgressBar):
     """Lightning's rich progress bar, its training bar titled ``updates`` rather than by epoch.
 
-    A run is one epoch of rollout batches that ends at ``max_steps``; Lightning then counts ``max_epochs`` as -1
-    and the stock bar reads ``Epoch 0/-2``. The bar the trainer makes by default is replaced by this one; a
-    progress bar given in ``trainer.callbacks`` is kept as it is. ``refresh_rate``: redraw every that many updates.
+    A run is one epoch that ends at ``max_steps``, so the stock bar reads ``Epoch 0/-2``. It replaces the trainer's
+    default bar; a progress bar given in ``trainer.callbacks`` is kept. ``refresh_rate``: redraw every that many
+    updates.
     """
 
     @override
@@ -404,14 +396,12 @@ class UpdateProgressBar(RichProgressBar):
 def preflight_problems(config: Namespace) -> list[str]:
     """What the parsed ``config`` needs from this machine and does not find (:mod:`lit_gmc.preflight`), one per line."""
     problems = preflight.accelerator_problems(config.trainer.accelerator, config.trainer.devices)
-    engine, task = config.data.engine, config.data.task
-    if isinstance(engine, Namespace) and engine.get("class_path"):
-        init_args = as_dict(engine.get("init_args")) or {}
-        problems += preflight.engine_problems(resolve_name(engine.class_path), init_args, config.model.actor)
+    if (engine := component(config.data.engine)) is not None:
+        problems += preflight.engine_problems(*engine, config.model.actor)
     problems.append(preflight.actor_problem(config.model.actor))
-    check = getattr(resolve_name(task.class_path), "preflight_problems", None) if isinstance(task, Namespace) else None
-    if check is not None:
-        problems += check(**(as_dict(task.get("init_args")) or {}))
+    task = component(config.data.task)
+    if task is not None and hasattr(task[0], "preflight_problems"):
+        problems += task[0].preflight_problems(**task[1])
     init_args = logger_options(config)
     save_dir = init_args.get("save_dir") if init_args is not None else None
     unwritable = preflight.writable_problem(save_dir and str(save_dir), "--trainer.logger.init_args.save_dir")

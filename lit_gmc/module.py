@@ -63,12 +63,9 @@ class GMCModule(pl.LightningModule):
         correction: The off-policy rule: a class of :mod:`lit_gmc.rules` by name (listed below as the known
             subclasses), or a user's :class:`~lit_gmc.corrections.Correction` by import path, with its own options
             (``--model.correction.help GMC``). ``null``: ``GMC`` with the paper's options.
-        optimizer: Set with ``--optimizer`` (any ``torch.optim.Optimizer`` by import path, with its options, e.g.
-            ``--optimizer torch.optim.SGD --optimizer.lr 0.01``); ``null``: torch's AdamW, lr 2e-4, betas
-            (0.9, 0.999), no weight decay.
-        lr_scheduler: Set with ``--lr_scheduler`` (a step-based schedule class, stepped once per update, e.g.
-            ``lit_gmc.optim.CosineWithWarmup`` with its ``warmup_fraction``); ``null``: ``CosineWithWarmup`` without
-            warm-up, decaying to 0 at ``--trainer.max_steps``.
+        optimizer: Set with ``--optimizer``; ``null``: torch's AdamW, lr 2e-4, betas (0.9, 0.999), no weight decay.
+        lr_scheduler: Set with ``--lr_scheduler``; ``null``: ``CosineWithWarmup`` without warm-up, decaying to 0 at
+            ``--trainer.max_steps``.
         max_response_length: ``T``, the loss normaliser (linked to ``--data.max_new_tokens``).
         temperature: Temperature of the behaviour policy (linked to ``--data.temperature``).
         max_grad_norm: Global gradient-norm clip; ``null`` disables it.
