@@ -20,15 +20,8 @@ def pass_at_k(num_correct: Tensor, n: int, k: int) -> Tensor:
     """Unbiased pass@k of Chen et al. (2021, "Evaluating Large Language Models Trained on Code", eq. 1).
 
     pass@k = 1 - C(n - c, k) / C(n, k), in the paper's stable product form 1 - prod_{i = n-c+1}^{n} (1 - k / i),
-    summed in log space, and exactly 1 when ``n - c < k``.
-
-    Args:
-        num_correct: ``(P,)`` correct samples ``c`` per problem, integers in ``[0, n]``.
-        n: Samples per problem.
-        k: Draw size, ``1 <= k <= n``.
-
-    Returns:
-        ``(P,)`` float64 estimates in ``[0, 1]``.
+    summed in log space, and exactly 1 when ``n - c < k``. ``num_correct``: the ``(P,)`` counts ``c`` in ``[0, n]``
+    of ``n`` samples per problem; ``1 <= k <= n``. Returns ``(P,)`` float64 estimates in ``[0, 1]``.
     """
     if not 1 <= k <= n:
         raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
