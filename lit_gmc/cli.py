@@ -349,13 +349,21 @@ class FitConfig(GMCCLI):
 def derive_options(config: Namespace) -> None:
     """Fill in, in place, what a run derives from its other options (fit's rules, which export follows too).
 
-    A ``null`` logger name becomes ``<task>_<model>``; without ``--checkpoint.dirpath`` the checkpoints go beside
-    the logger; ``CosineWithWarmup`` gets ``--trainer.max_steps`` as its ``total_steps``.
+    A ``null`` logger name becomes ``<task>_<model>`` (:func:`~lit_gmc.run_folder.default_run_name`); without
+    ``--checkpoint.dirpath`` the checkpoints go beside the logger; ``CosineWithWarmup`` gets ``--trainer.max_steps``
+    as its ``total_steps`` unless it is set (a link by hand: jsonargparse cannot link into the options of a class
+    chosen on the command line).
     """
-    name_run_after_task(config)
+    logger, task, scheduler = logger_options(config), config.data.task, config.get("lr_scheduler")
+    if logger is not None and "name" in logger and logger.name is None:
+        task_path = task.class_path if isinstance(task, Namespace) else type(task).__name__
+        logger.name = default_run_name(task_path, str(config.model.actor))
     if config.checkpoint.dirpath is None:
         config.checkpoint.dirpath = checkpoint_dir(config)
-    plan_schedule(config)
+    schedule = component(scheduler)
+    if schedule is not None and schedule[0] is CosineWithWarmup and schedule[1].get("total_steps") is None:
+        scheduler.init_args.total_steps = config.trainer.max_steps
+        config.model.lr_scheduler = scheduler.as_dict()  # the module's copy, linked before this
 
 
 def default_progress_bar(terminal: bool, every_n_updates: int | None) -> ProgressBar:
@@ -411,14 +419,6 @@ def preflight_problems(config: Namespace) -> list[str]:
     return [problem for problem in problems if problem]
 
 
-def name_run_after_task(config: Namespace) -> None:
-    """A logger ``name`` of ``null`` becomes ``<task>_<model>`` (:func:`~lit_gmc.run_folder.default_run_name`)."""
-    init_args, task = logger_options(config), config.data.task
-    if init_args is not None and "name" in init_args and init_args.name is None:
-        task_path = task.class_path if isinstance(task, Namespace) else type(task).__name__
-        init_args.name = default_run_name(task_path, str(config.model.actor))
-
-
 def continue_logger_version(config: Namespace) -> None:
     """On resume, log into the checkpoint's logger version (one run in TensorBoard), unless a version is set."""
     path = checkpoint_file(config.ckpt_path, config.checkpoint.dirpath)
@@ -428,16 +428,3 @@ def continue_logger_version(config: Namespace) -> None:
     version = read_checkpoint(path).get(VERSION_KEY)  # None for checkpoints from before it was recorded
     if init_args.version is None and version is not None:
         init_args.version = version
-
-
-def plan_schedule(config: Namespace) -> None:
-    """Give ``CosineWithWarmup`` the run's length, ``--trainer.max_steps``, when ``total_steps`` is not set.
-
-    A link by hand: jsonargparse cannot link into the options of a class chosen on the command line.
-    """
-    scheduler = config.get("lr_scheduler")
-    if not (isinstance(scheduler, Namespace) and scheduler.get("class_path")):
-        return
-    if resolve_name(scheduler.class_path) is CosineWithWarmup and scheduler.init_args.get("total_steps") is None:
-        scheduler.init_args.total_steps = config.trainer.max_steps
-        config.model.lr_scheduler = scheduler.as_dict()  # the module's copy, linked before this
