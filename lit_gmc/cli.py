@@ -102,22 +102,9 @@ def logger_options(config: Namespace) -> Namespace | None:
     return init_args if isinstance(init_args, Namespace) else None
 
 
-def checkpoint_dir(config: Namespace) -> str | None:
-    """The logger's ``<save_dir>/<name>/checkpoints`` (not per version, for ``--ckpt_path last``); None without one."""
-    init_args = logger_options(config)
-    if init_args is None or init_args.get("save_dir") is None:
-        return None
-    return os.path.join(str(init_args.save_dir), str(init_args.get("name") or ""), "checkpoints")
-
-
 def embedded_default() -> str:
     """Path of ``configs/tiny.yaml`` as installed (``lit_gmc.configs``), the defaults every run starts from."""
     return str(files("lit_gmc.configs") / "tiny.yaml")
-
-
-def not_a_tip(record: logging.LogRecord) -> bool:
-    """False for Lightning's start-up tips about its cloud products (litlogger, litmodels), which lit_gmc never uses."""
-    return not str(record.msg).startswith("💡 Tip:")
 
 
 def quiet_startup() -> None:
@@ -127,7 +114,8 @@ def quiet_startup() -> None:
     deprecation warning Lightning's own pytree helper raises under torch >= 2.10, which a user cannot act on.
     """
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(not_a_tip)
+        # Lightning's tips are about its cloud products (litlogger, litmodels), which lit_gmc never uses.
+        logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip:"))
     transformers_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
@@ -358,8 +346,9 @@ def derive_options(config: Namespace) -> None:
     if logger is not None and "name" in logger and logger.name is None:
         task_path = task.class_path if isinstance(task, Namespace) else type(task).__name__
         logger.name = default_run_name(task_path, str(config.model.actor))
-    if config.checkpoint.dirpath is None:
-        config.checkpoint.dirpath = checkpoint_dir(config)
+    if config.checkpoint.dirpath is None and logger is not None and logger.get("save_dir") is not None:
+        # <save_dir>/<name>/checkpoints, not per version, so that --ckpt_path last finds the run's last checkpoint
+        config.checkpoint.dirpath = os.path.join(str(logger.save_dir), str(logger.get("name") or ""), "checkpoints")
     schedule = component(scheduler)
     if schedule is not None and schedule[0] is CosineWithWarmup and schedule[1].get("total_steps") is None:
         scheduler.init_args.total_steps = config.trainer.max_steps
