@@ -193,14 +193,8 @@ class GMCModule(pl.LightningModule):
             first = int(part.attention_mask[row].nonzero()[0])  # skip the prompt's left padding
             stop = part.prompt_width + int(tokens.max()) + 1  # and the response's right padding
             ids = part.input_ids[row : row + 1, first:stop]  # (1, width)
-            logprobs, _ = response_logprobs(
-                self.actor,
-                ids,
-                part.attention_mask[row : row + 1, first:stop],
-                part.prompt_width - first,
-                temperature=self.hparams.temperature,
-                chunk_tokens=self.hparams.logit_chunk_tokens,
-            )  # (1, length)
+            attention = part.attention_mask[row : row + 1, first:stop]  # (1, width)
+            logprobs, _ = self(ids, attention, part.prompt_width - first)  # (1, length)
             mask = part.response_mask[row : row + 1, : stop - part.prompt_width]  # (1, length)
             grads = torch.autograd.grad(O.sequence_logprob(logprobs, mask).sum(), params, allow_unused=True)
             norms.append(sum(g.to(acc).square().sum() for g in grads if g is not None))
