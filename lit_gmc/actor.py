@@ -267,18 +267,6 @@ def resolve_actor_path(actor: str, option: str = "actor") -> str:
     return str(Path(actor).expanduser()) if actor.startswith("~") else actor  # "--model.actor=~/m": no shell expansion
 
 
-def is_hub_name(actor: str) -> bool:
-    """Whether ``actor`` could name a hub repository (``name`` or ``namespace/name``) rather than only a path."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(actor)
-    except HFValidationError:
-        return False
-    return True
-
-
 def check_local_actor(actor: str, option: str) -> None:
     """Refuse a local ``actor`` that transformers could not load, with a message saying what it is instead.
 
@@ -294,8 +282,16 @@ def check_local_actor(actor: str, option: str) -> None:
         )
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{option} {actor} is not a transformers model folder (it has no config.json): {hint}")
-    if not path.exists() and not is_hub_name(actor):
-        raise UserFileNotFoundError(f"{option} {actor}: no such model folder (resolved to {path.resolve()}); {hint}")
+    if path.exists():
+        return
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(actor)  # a hub name (``name`` or ``namespace/name``) is looked up there
+    except HFValidationError:
+        missing = f"no such model folder (resolved to {path.resolve()})"
+        raise UserFileNotFoundError(f"{option} {actor}: {missing}; {hint}") from None
 
 
 def load_error(actor: str, option: str, err: Exception) -> UserError:
