@@ -322,11 +322,6 @@ class Evaluation(pl.Callback):
         # Names only: a BenchmarkFile may hold a callable, whose repr changes from run to run.
         return self._generate_state_key(benchmarks=self.names, every_n_steps=self.every_n_steps, at_steps=self.at_steps)
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is an evaluation step."""
-        periodic = self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
-        return periodic or step in self.at_steps
-
     @property
     def evaluated_steps(self) -> list[int]:
         """Steps already evaluated (restored from checkpoints, so a resumed run does not repeat them)."""
@@ -422,7 +417,8 @@ class Evaluation(pl.Callback):
 
     def _maybe_run(self, trainer: pl.Trainer, after_update: bool = False) -> None:
         step = trainer.global_step
-        if not self.active or not self.due(step) or step in self.evaluated_steps:
+        due = self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0 or step in self.at_steps
+        if not self.active or not due or step in self.evaluated_steps:
             return
         if after_update and getattr(self.engine, "version", step) != step:
             return  # the new weights are not published yet (a sync callback after this one): next batch start
