@@ -27,9 +27,7 @@ def component_problems(cls: type, init_args: Mapping[str, Any], flag: str) -> li
     check = getattr(cls, "option_problems", None)
     if check is None:
         return []
-    defaults = {
-        name: p.default for name, p in inspect.signature(cls).parameters.items() if p.default is not p.empty
-    }
+    defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
     values = {**defaults, **dict(init_args)}
     parameters = inspect.signature(check).parameters
     named = {name: p for name, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
