@@ -68,10 +68,6 @@ def write_error(path: Path, err: BaseException) -> UserError:
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning)
 
 
-NOT_EMPTY = "exists and is not empty"
-"""Part of Lightning's warning about a checkpoint folder that already holds files."""
-
-
 class RunCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that also saves at listed steps, writes ``last.ckpt`` when training ends, and on SIGTERM.
 
@@ -111,7 +107,7 @@ class RunCheckpoint(ModelCheckpoint):
             super().setup(trainer, pl_module, stage)
         self._held_warnings = []
         for warning in caught:
-            if NOT_EMPTY in str(warning.message):
+            if "exists and is not empty" in str(warning.message):  # Lightning's about a folder holding files
                 self._held_warnings.append(str(warning.message))
             else:
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
