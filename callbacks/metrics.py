@@ -47,23 +47,6 @@ def _check_correctness(correct: Tensor, dims: int, n: int | None = None) -> Tens
     return values
 
 
-class GreedyAccuracy(MeanMetric):
-    """Fraction of problems whose greedy (T = 0) answer is correct. ``update(correct (P,))``.
-
-    torchmetrics' ``MeanMetric`` kept in float64 (its sums of 0/1 values are exact), with the input checked.
-    """
-
-    higher_is_better = True
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.set_dtype(torch.float64)
-
-    def update(self, correct: Tensor) -> None:
-        """Add ``(P,)`` greedy correctness."""
-        super().update(_check_correctness(correct, dims=1))
-
-
 class AvgAtN(MeanMetric):
     """avg@n: mean correctness of ``n`` samples per problem, averaged over problems. ``update(correct (P, n))``.
 
@@ -85,6 +68,17 @@ class AvgAtN(MeanMetric):
     def update(self, correct: Tensor) -> None:
         """Add ``(P, n)`` sample correctness."""
         super().update(_check_correctness(correct, dims=2, n=self.n).mean(dim=1))
+
+
+class GreedyAccuracy(AvgAtN):
+    """Fraction of problems whose greedy (T = 0) answer is correct, avg@1. ``update(correct (P,))``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(1, **kwargs)
+
+    def update(self, correct: Tensor) -> None:
+        """Add ``(P,)`` greedy correctness."""
+        super().update(_check_correctness(correct, dims=1)[:, None])
 
 
 class PassAtK(Metric):
