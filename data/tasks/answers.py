@@ -1,9 +1,7 @@
 r"""Final-answer extraction: the last complete ``\boxed{...}`` of a text, GSM8K's ``#### n`` line, references.
 
-Pure string functions, linear in the length of the text, that never raise on any ``str`` input (model
-output can be anything: unclosed braces, thousands of nested groups, 100 kB of junk). They are used both
-for the MATH training labels (the paper's 7,498 rows are exactly the solutions with a braced box) and
-for the rewards, so a label and a response are read by the same rule.
+Pure string functions, linear in the text and never raising on any ``str`` (model output can be anything). Labels
+and responses are read by the same rule.
 """
 
 from __future__ import annotations
@@ -40,16 +38,8 @@ def _box_openers(text: str) -> set[int]:
 def last_boxed(text: str) -> str | None:
     r"""Content of the last complete ``\boxed{...}`` in ``text``, stripped, or ``None`` if there is none.
 
-    Braces are matched in one left-to-right pass with a stack; a backslash escapes the next character, so
-    ``\{`` and ``\}`` (set braces) do not count. "Last" is the box that closes last: for nested boxes
-    that is the outer one, and an unclosed ``\boxed{`` at the end (a truncated response) is skipped in
-    favour of the last box that did close.
-
-    Args:
-        text: Any string (a solution or a model response).
-
-    Returns:
-        The text between the box's braces, or ``None`` when no ``\boxed{`` is ever closed.
+    Braces are matched with a stack, ``\{`` and ``\}`` not counting. "Last" is the box that closes last: the outer
+    of nested boxes, and an unclosed ``\boxed{`` at the end (a truncated response) is skipped.
     """
     openers = _box_openers(text)
     if not openers:

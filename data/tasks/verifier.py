@@ -1,18 +1,11 @@
 r"""The paper's reward: 1 if the last complete ``\boxed{}`` of a response is equivalent to the reference, else 0.
 
-Equivalence is math-verify's (parse both sides to sympy, compare). Two properties matter more than speed:
-
-* **Bounded time from any thread.** math-verify bounds its own work with ``signal.alarm``, which only
-  works in a process's main thread, and cannot interrupt a long C-level computation at all (sympy
-  expanding ``10^{10^{10}}`` into an integer). So every check runs in a separate worker process, in that
-  process's main thread where math-verify's alarms work, and the caller waits on a pipe with a hard
-  deadline; a worker that misses it is killed and replaced, and the response scores 0.
-* **Never raises on model output.** Extraction is our linear-time brace matcher; anything math-verify
-  throws, and any crash of a worker (memory is capped per worker), is a reward of 0. Only a worker that
-  cannot start at all (a broken install) raises, because silently scoring every response 0 would be worse.
-
-This module imports only the standard library and ``lit_gmc.data.tasks.answers`` (never torch or transformers),
-and runs as the worker itself: ``python -m lit_gmc.data.tasks.verifier --serve``.
+Equivalence is math-verify's. Every check runs in a worker process's main thread, where math-verify's
+``signal.alarm`` works, and the caller waits on a pipe with a hard deadline, since no alarm interrupts a long
+C-level computation (sympy expanding ``10^{10^{10}}``): a late worker is killed and the response scores 0. Nothing
+on model output raises: a math-verify error or a worker crash (memory is capped) is a 0; only a worker that cannot
+start raises, as scoring every response 0 would be worse. The module imports only the standard library and
+``answers``, and is the worker itself: ``python -m lit_gmc.data.tasks.verifier --serve``.
 """
 
 from __future__ import annotations
