@@ -1,12 +1,9 @@
 r"""The paper's six evaluation benchmarks, each read into ``(problem, reference answer)`` pairs.
 
-Each benchmark has a default hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`: dataset, config,
-split and the columns to read), so a plain clone needs no local files. A local JSONL copy (the files in
-``../shared/data``, see its ``SOURCES.md``), a data folder holding those copies, a dataset folder laid out like
-the hub repository, or another hub name overrides it (:func:`load_benchmark`). Everything is read through the
-``datasets`` library, every row is checked (an error names the file and line, or the row), and the
-benchmark's own answer format becomes one LaTeX string for the verifier. A source says how its reference is
-stored by which of our reference fields it maps (:data:`REFERENCE_FIELDS`):
+Each benchmark reads from its hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`) unless a local copy
+(``../shared/data``, see its ``SOURCES.md``), a data folder or another hub name overrides it (:func:`load_benchmark`).
+Every row is checked, and the reference becomes one LaTeX string for the verifier, read by which of our fields the
+source maps (:data:`REFERENCE_FIELDS`):
 
 ==============  ============================================================================================
 field           reference answer
@@ -18,8 +15,8 @@ field           reference answer
 ``rationale``   the number after GSM8K's ``####``, thousands separators removed
 ==============  ============================================================================================
 
-A benchmark of a user's own (``Evaluation``'s ``BenchmarkFile``) is read by :func:`load_file_items`, its answers
-kept as they are, and comes with its own prompt (:func:`prompt_builder`) and reward (:class:`CompletionScorer`).
+A user's own benchmark file is read by :func:`load_file_items`, with its own prompt (:func:`prompt_builder`) and
+reward (:class:`CompletionScorer`).
 """
 
 from __future__ import annotations
@@ -96,55 +93,46 @@ def reference_field(source: DataSource) -> str:
 
 
 def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
-    """Problems and references of one benchmark source, and the locations of the rows left out for an empty one.
+    """Problems and references of one benchmark source, and the locations of the rows left out.
 
-    The reference fields are in the module docstring. A row left out is one whose reference answer is empty: such
-    a row could only ever score 0 (two rows of Gaokao2023-En on the hub are like this), so it is left out of the
-    benchmark and counted (``skipped`` in the results), never scored.
+    A row whose reference is empty could only score 0 (two of Gaokao2023-En on the hub), so it is left out and
+    counted (``skipped`` in the results).
 
     Raises:
         UserError: For a malformed row, naming its file and line (or its row on the hub) and the column.
     """
     name = reference_field(source)
     kinds, read = REFERENCE_FIELDS[name]
-    items, skipped = [], []
-    for index, row in enumerate(load_records(source, {"problem": str, name: kinds})):
-        try:
-            item = BenchmarkItem(row["problem"], read(row[name]))
-        except ValueError as err:
-            raise UserError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
-        (items.append(item) if item.answer.strip() else skipped.append(row_location(source, index)))
-    return items, skipped
+    return _items(source, name, kinds, read)
 
 
 def load_file_items(
     path: str, question: str = "question", answer: str = "answer"
 ) -> tuple[list[BenchmarkItem], list[str]]:
-    """Problems and references of a user's benchmark file (``Evaluation``'s ``BenchmarkFile``), read as they are.
+    """:func:`load_items` of a user's JSON/JSONL benchmark file (``Evaluation``'s ``BenchmarkFile``).
 
-    Also the locations (file and line) of the rows left out for an empty answer. Unlike the registered benchmarks'
-    references, which become LaTeX for the math verifier, a text answer is kept verbatim (the file's own scorer
-    reads it); a number is written as :func:`reference_text` writes it (``27.0`` as ``27``), so a file may store
-    numeric answers as numbers.
-
-    Args:
-        path: A JSON or JSONL file, read with ``load_dataset("json")``.
-        question: Column of the question.
-        answer: Column of the reference answer.
+    A text answer is kept verbatim, for the file's own scorer; a number is written as :func:`reference_text`
+    writes it (``27.0`` as ``27``).
 
     Raises:
         UserError: For a malformed row, naming its file and line and the column.
         UserFileNotFoundError: For a file that does not exist.
     """
     source = DataSource(path, {"problem": question, "answer": answer})
-    rows = load_records(source, {"problem": str, "answer": (str, int, float)})
+    return _items(
+        source, "answer", (str, int, float), lambda value: value if isinstance(value, str) else reference_text(value)
+    )
+
+
+def _items(
+    source: DataSource, name: str, kinds: type | tuple[type, ...], read: Callable[[Any], str]
+) -> tuple[list[BenchmarkItem], list[str]]:
     items, skipped = [], []
-    for index, row in enumerate(rows):
-        value = row["answer"]
+    for index, row in enumerate(load_records(source, {"problem": str, name: kinds})):
         try:
-            item = BenchmarkItem(row["problem"], value if isinstance(value, str) else reference_text(value))
+            item = BenchmarkItem(row["problem"], read(row[name]))
         except ValueError as err:
-            raise UserError(f"{row_location(source, index)}: column {answer!r}: {err}") from err
+            raise UserError(f"{row_location(source, index)}: column {source.column(name)!r}: {err}") from err
         (items.append(item) if item.answer.strip() else skipped.append(row_location(source, index)))
     return items, skipped
 
@@ -217,54 +205,35 @@ def prompt_builder(template: str | Callable[[str], str], option: str) -> Callabl
     return lambda question: template.format(question=question)
 
 
+# The hub sources, checked against each dataset's card, file list or users' code; what stays uncertain is said.
 MATH500_HUB = DataSource("HuggingFaceH4/MATH-500", {"problem": "problem", "answer": "answer"}, None, "test")
-"""Checked against the card of HuggingFaceH4/MATH-500: one config, split ``test`` (500 rows, ``test.jsonl``),
-columns ``problem``, ``solution``, ``answer``, ``subject``, ``level``, ``unique_id``: the local copy's layout."""
+"""500 rows, the local copy's layout."""
 
 GSM8K_HUB = DataSource("openai/gsm8k", {"problem": "question", "rationale": "answer"}, "main", "test")
-"""Checked against the card of openai/gsm8k: configs ``main`` and ``socratic``; ``main`` has splits ``train``
-(7,473) and ``test`` (1,319, ``main/test-00000-of-00001.parquet``), columns ``question`` and ``answer`` (the
-rationale, ending in ``#### <number>``): the local copy's layout, less its ``idx``."""
+"""1,319 rows; ``answer`` is the rationale, ending in ``#### <number>``."""
 
 GAOKAO2023EN_HUB = DataSource(
     "MARIO-Math-Reasoning/Gaokao2023-Math-En", {"problem": "question", "answer": "answer"}, None, "train"
 )
-"""Checked against the file list of MARIO-Math-Reasoning/Gaokao2023-Math-En (MIT): one file,
-``Gaokao2023-Math-En.jsonl``, so its only split is the ``train`` that ``datasets`` names an unsplit file
-(385 problems), with columns ``question``, ``answer`` (LaTeX in ``$...$``), ``source``, ``lang``,
-``sourcename``, ``id`` as its users read them: the local copy's layout. Uncertain: the column list was seen in
-users' code, not in the card (whose README has only a license)."""
+"""One unsplit file (so ``train``), 385 problems, answers in ``$...$``. Uncertain: columns seen in users' code only."""
 
 OLYMPIADBENCH_HUB = DataSource(
     "Hothan/OlympiadBench", {"problem": "question", "answer": "final_answer"}, "OE_TO_maths_en_COMP", "train"
 )
-"""Checked against users of Hothan/OlympiadBench: config ``OE_TO_maths_en_COMP`` (open-ended, text-only,
-English maths competition problems), whose only split is ``train``; columns include ``question``,
-``final_answer`` (a list of strings), ``is_multiple_answer``, ``unit``, ``context``. Uncertain: the row count;
-evalscope lists 674 for this subset (the paper's number), the local copy holds 675 (see ``SOURCES.md``)."""
+"""Open-ended English competition maths; ``final_answer`` is a list. Uncertain: 674 rows (the paper) or 675 (ours)."""
 
 MINERVA_HUB = DataSource("math-ai/minervamath", {"problem": "question", "answer": "answer"}, None, "test")
-"""Checked against the file list of math-ai/minervamath (one file, ``test.jsonl``, so split ``test``; 272
-problems) and its users, who all read columns ``question`` and ``answer`` (the final answer, not a worked
-solution: unlike the local copy, whose reference is the last box of ``solution``). Uncertain: the card lists no
-columns, and one user rewrites a few answers given in Python notation (``np.``), which may then never verify."""
+"""272 problems; ``answer`` is final, unlike the local copy's ``solution``. Uncertain: a few use Python notation."""
 
 AMC23_HUB = DataSource("math-ai/amc23", {"problem": "question", "answer": "answer"}, None, "test")
-"""Checked against users of math-ai/amc23: split ``test`` (40 problems of AMC 12A/12B 2023), columns ``id``,
-``question``, ``answer``, ``url`` (the local copy also has ``question``, a copy of its ``problem``). Uncertain:
-whether ``answer`` is stored as a number (the local copy's ``27.0``) or as text; both are accepted."""
+"""40 problems of AMC 12A/12B 2023. Uncertain: ``answer`` stored as a number or as text; both are accepted."""
 
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """How to find and read one benchmark, and how many samples the paper draws per problem.
+    """How to find and read one benchmark: ``samples`` is the paper's n for avg@n.
 
-    Attributes:
-        title: Display name.
-        samples: The paper's n for avg@n.
-        hub: Default source (a hub dataset).
-        filename: Name of the local copy in a data folder (``../shared/data``).
-        file_columns: Columns of that local copy (the Qwen2.5-Math evaluation layout).
+    ``filename`` and ``file_columns`` are its local copy's (the Qwen2.5-Math evaluation layout).
     """
 
     title: str
@@ -311,13 +280,8 @@ def load_benchmark(
 ) -> Benchmark:
     """Load a registered benchmark, by default from its hub source.
 
-    Args:
-        name: Registry name (see :data:`BENCHMARKS`).
-        source: Overrides the hub source: a local JSONL copy (read with the copy's columns), a hub name or a
-            dataset folder (read with the hub spec's config, split and columns), or a full ``DataSource``.
-        data_dir: Folder holding the local copies under their usual names; used when ``source`` is not given.
-        split: Overrides the source's split.
-        config: Overrides the source's config.
+    ``source`` overrides the hub source (:func:`resolve_source`, with the local copy's columns for a file);
+    without it, ``data_dir`` holds the local copies under their usual names.
 
     Raises:
         UserError: For an unknown name (the message lists the known ones) or a malformed file or row.
