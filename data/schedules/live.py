@@ -81,16 +81,6 @@ class Live(DelaySchedule):
         return problems
 
     @property
-    def chunk(self) -> int:
-        """Prompts per generation call (``chunk_prompts``, or ``B``)."""
-        return self.chunk_prompts or self.batch_prompts
-
-    @property
-    def needed_groups(self) -> int:
-        """Groups the whole run consumes (``total_updates * B``)."""
-        return self.total_updates * self.batch_prompts
-
-    @property
     def running(self) -> bool:
         """Whether any worker thread is alive (published weights are then staged for the workers)."""
         return any(t.is_alive() for t in self._threads)
@@ -135,10 +125,10 @@ class Live(DelaySchedule):
         """Wait (holding the lock) until a worker may claim a chunk; its size, or 0 when the worker should exit."""
         b = self.batch_prompts
         while True:
-            left = self.needed_groups - self.claimed
+            left = self.total_updates * b - self.claimed  # of the groups the whole run consumes
             if self._stopping or self._error is not None or left == 0:
                 return 0
-            size = min(self.chunk, left, b - self.claimed % b)  # never across an update boundary
+            size = min(self.chunk_prompts or b, left, b - self.claimed % b)  # never across an update boundary
             last_step = (self.claimed + size - 1) // b  # the update that will consume the chunk's last group
             gated = self.max_staleness is not None and last_step - self._published > self.max_staleness
             if not self._paused and not gated:

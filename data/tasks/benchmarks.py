@@ -46,11 +46,7 @@ class BenchmarkItem:
 
 
 def boxed_reference(solution: str) -> str:
-    r"""The reference in a worked solution: its last complete, non-empty ``\boxed{}``.
-
-    Raises:
-        ValueError: If the solution has no such box.
-    """
+    r"""The reference in a worked solution: its last complete, non-empty ``\boxed{}`` (a ``ValueError`` if none)."""
     answer = last_boxed(solution)
     if not answer:
         raise ValueError("no complete \\boxed{} with an answer")
@@ -58,11 +54,7 @@ def boxed_reference(solution: str) -> str:
 
 
 def gsm8k_reference(rationale: str) -> str:
-    """The reference in a GSM8K rationale: the number after its last ``####``.
-
-    Raises:
-        ValueError: If there is no ``#### <answer>`` line.
-    """
+    """The reference in a GSM8K rationale: the number after its last ``####`` (a ``ValueError`` if none)."""
     answer = gsm8k_final_answer(rationale)
     if answer is None:
         raise ValueError("no '#### <answer>' line")
@@ -78,11 +70,7 @@ REFERENCE_FIELDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], str]]
 
 
 def reference_field(source: DataSource) -> str:
-    """Which of :data:`REFERENCE_FIELDS` the source maps.
-
-    Raises:
-        UserError: If it maps none or several.
-    """
+    """Which of :data:`REFERENCE_FIELDS` the source maps (a :class:`UserError` if none or several)."""
     found = [name for name in REFERENCE_FIELDS if name in source.columns]
     if len(found) != 1:
         raise UserError(
@@ -233,24 +221,22 @@ AMC23_HUB = DataSource("math-ai/amc23", {"problem": "question", "answer": "answe
 class BenchmarkSpec:
     """How to find and read one benchmark: ``samples`` is the paper's n for avg@n.
 
-    ``filename`` and ``file_columns`` are its local copy's (the Qwen2.5-Math evaluation layout).
+    ``filename`` and ``file_columns`` (``None``: the hub's) are its local copy's, in the Qwen2.5-Math evaluation layout.
     """
 
     title: str
     samples: int
     hub: DataSource
     filename: str
-    file_columns: Mapping[str, str]
+    file_columns: Mapping[str, str] | None = None
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "math500": BenchmarkSpec("MATH-500", 16, MATH500_HUB, "math500_test.jsonl", MATH500_HUB.columns),
-    "gsm8k": BenchmarkSpec("GSM8K", 8, GSM8K_HUB, "gsm8k_test.jsonl", GSM8K_HUB.columns),
-    "gaokao2023en": BenchmarkSpec(
-        "Gaokao2023-En", 8, GAOKAO2023EN_HUB, "gaokao2023en_test.jsonl", GAOKAO2023EN_HUB.columns
-    ),
+    "math500": BenchmarkSpec("MATH-500", 16, MATH500_HUB, "math500_test.jsonl"),
+    "gsm8k": BenchmarkSpec("GSM8K", 8, GSM8K_HUB, "gsm8k_test.jsonl"),
+    "gaokao2023en": BenchmarkSpec("Gaokao2023-En", 8, GAOKAO2023EN_HUB, "gaokao2023en_test.jsonl"),
     "olympiadbench": BenchmarkSpec(
-        "OlympiadBench", 8, OLYMPIADBENCH_HUB, "olympiadbench_OE_TO_maths_en_COMP_test.jsonl", OLYMPIADBENCH_HUB.columns
+        "OlympiadBench", 8, OLYMPIADBENCH_HUB, "olympiadbench_OE_TO_maths_en_COMP_test.jsonl"
     ),
     "minerva": BenchmarkSpec(
         "Minerva", 16, MINERVA_HUB, "minerva_math_test.jsonl", {"problem": "problem", "solution": "solution"}

@@ -9,8 +9,9 @@ implies, and score 0). The prompt's two worked examples are removed from the tra
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -141,26 +142,23 @@ def resolve_source(
     return replace(chosen, **{key: value for key, value in overrides.items() if value is not None})
 
 
-def _line_of_row(path: Path, row: int) -> int:
-    """1-based line of the ``row``-th non-blank line of a JSONL file (the datasets JSON reader skips blank lines)."""
-    seen = -1
+def _rows(path: Path) -> Iterator[tuple[int, str]]:
+    """``(1-based line number, line)`` of each non-blank line of a JSONL file: the rows ``datasets`` reads."""
     with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                seen += 1
-                if seen == row:
-                    return number
-    return row + 1
+        yield from ((number, line) for number, line in enumerate(handle, start=1) if line.strip())
+
+
+def _line_of_row(path: Path, row: int) -> int:
+    """The line number of row ``row`` (0-based) of a JSONL file."""
+    return next(itertools.islice(_rows(path), row, None), (row + 1, ""))[0]
 
 
 def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as err:
-                    return number, str(err)
+    for number, line in _rows(path):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            return number, str(err)
     return None
 
 
