@@ -53,11 +53,7 @@ class TokenizerSetup(Protocol):
 
 
 def within_budget(prompts: Sequence[Prompt], tokenizer: Any, max_tokens: int) -> list[Prompt]:
-    """``prompts`` cut by :func:`truncate_prompt` to ``max_tokens`` (``--data.max_prompt_tokens``), with a warning.
-
-    Raises:
-        UserError: For a tokenizer that cannot report character offsets (not a fast tokenizer).
-    """
+    """``prompts`` cut by :func:`truncate_prompt` to ``max_tokens`` (``--data.max_prompt_tokens``), with a warning."""
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(
             f"--data.max_prompt_tokens {max_tokens}: cutting prompts needs a fast tokenizer (character offsets), and "
@@ -276,10 +272,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.started = self.rank == 0
 
     def start_engine(self) -> None:
-        """Start the engine on the actor (rank 0), let the task see its tokenizer, and open the prompt stream.
-
-        Prompts that leave no room for ``max_new_tokens`` in the actor's context are refused (:func:`context_problem`).
-        """
+        """Start the engine (rank 0), let the task see its tokenizer, check its prompts and open the prompt stream."""
         hp = self.hparams
         run_folder = getattr(self.trainer.logger, "root_dir", None) if self.trainer is not None else None
         if run_folder is not None and getattr(self.engine, "log_dir", "") is None:  # launched servers' logs
@@ -315,8 +308,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
-        self.stop_background()
+        self.schedule.close()  # joins the schedule's threads, each after its current call
         if self.started:
+            self._apply_staged_weights()  # the engine ends on the newest published version
             self.engine.close()
             if self.recompute is not None:
                 self.engine, self.recompute = self.recompute.engine, None  # the component again, for a later setup
@@ -327,22 +321,12 @@ class RolloutDataModule(pl.LightningDataModule):
         """Lightning skips ``teardown`` after an exception or Ctrl-C; stop every thread and the engine here."""
         self.teardown("fit")
 
-    def stop_background(self) -> None:
-        """Join the schedule's threads (each finishes its current call); idempotent."""
-        self.schedule.close()
-        if self.started:
-            self._apply_staged_weights()  # the engine ends on the newest published version
-
     @override
     def train_dataloader(self) -> RolloutStream:
         return RolloutStream(self)
 
     def produce(self, count: int, prompts: int | None = None) -> list[Batch]:
-        """``count`` launches of ``prompts`` (default B) scored groups each, from the engine's current weights.
-
-        Thread-safe (``Live`` workers and the overlap thread call it): prompts and launch ids are claimed under a
-        lock, in call order.
-        """
+        """``count`` launches of ``prompts`` (default B) scored groups each; thread-safe, claimed in call order."""
         size = prompts or self.hparams.batch_prompts
         return [self._generate(*self._claim(size)) for _ in range(count)]
 
@@ -370,10 +354,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return scored
 
     def next_share(self) -> RolloutBatch | None:
-        """This rank's share of the next update (the whole batch on one process); ``None`` once it is exhausted.
-
-        Rank 0 runs the schedule and tells every rank alike when it is exhausted; every rank must call this.
-        """
+        """This rank's share of the next update (all of it on one process), ``None`` at the end; every rank calls it."""
         if self.world == 1:
             return None if self.schedule.exhausted else self.next_batch_or_preempted()
         if self.rank != 0:

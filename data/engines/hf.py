@@ -8,6 +8,7 @@ it was generated with. ``torch.multiprocessing`` suffices: the engine is one obj
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -191,9 +192,8 @@ class HFEngine(RolloutEngine):
         width = input_ids.shape[1]
         device = next(self.model.parameters()).device
         greedy = sampling.temperature == 0
-        kwargs = {"do_sample": False}
-        if not greedy:
-            kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        sample = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        kwargs = {"do_sample": False} if greedy else sample
         with self._lock, torch.no_grad(), seeded(call_seed):
             out = self.model.generate(
                 input_ids=input_ids.to(device),
@@ -213,9 +213,8 @@ class HFEngine(RolloutEngine):
         if greedy:  # one decode per prompt, copied to its n rows
             tokens, logprobs = tokens.repeat_interleave(n, 0), logprobs.repeat_interleave(n, 0)  # (len(prompts) * n, L)
         mask, reasons = _response_mask(tokens, tok.eos_token_id)
-        padding = ~mask
-        tokens = tokens.masked_fill(padding, tok.pad_token_id)
-        logprobs = logprobs.masked_fill(padding, 0.0)
+        tokens = tokens.masked_fill(~mask, tok.pad_token_id)
+        logprobs = logprobs.masked_fill(~mask, 0.0)
         # Each group owns its tensors (clones, not views of the launch's), so that a checkpointed or long-queued
         # group holds only its own rows.
         parts = zip(tokens.split(n), mask.split(n), logprobs.split(n), strict=True)
@@ -287,13 +286,7 @@ def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None
 
 
 class EngineProcess:
-    """The client side: starts the engine process and talks to it (used by ``HFEngine(layout="dedicated")``).
-
-    Args:
-        actor: What the engine process loads (``"tiny"``, a hub name or a local path).
-        batch_rows: ``HFEngine``'s rows per ``generate`` call.
-        threads: torch threads of the engine process (``None``: torch's default).
-    """
+    """The client of ``HFEngine(layout="dedicated")``'s process, which loads ``actor`` on ``threads`` torch threads."""
 
     def __init__(self, actor: str, batch_rows: int, threads: int | None) -> None:
         context = mp.get_context("spawn")
@@ -335,10 +328,8 @@ class EngineProcess:
     def close(self) -> None:
         """Stop the engine process (at once if it does not stop by itself); idempotent."""
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):  # a broken pipe: the process is gone
                 self.connection.send(("close", None))
-            except (BrokenPipeError, OSError):
-                pass
             self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()

@@ -28,15 +28,9 @@ class BehaviorRecompute:
     exactly 1. :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|`` since its last call. The copy is a
     second model on the learner's device (``scripts/memory_estimate.py --recompute-behavior-logprobs``).
 
-    Args:
-        engine: The engine that samples.
-        model: The copy (a transformers causal LM on the actor's weights).
-        pad_id: Padding token id, as the learner collates.
-        forward_context: The learner's forward context, e.g. ``trainer.precision_plugin.train_step_context``.
-        chunk_tokens: The learner's ``logit_chunk_tokens``.
-        micro_batch_groups: The learner's groups per pass; ``None``: all of a call's groups in one pass.
-        device: Where the copy scores (the learner's device); ``None``: where ``model`` is.
-        dtype: The copy's parameter dtype (the learner's, e.g. its fp32 master weights); ``None``: ``model``'s.
+    ``engine`` samples; ``model`` is the copy (a transformers causal LM), moved to ``device`` and ``dtype`` (``None``:
+    as it is). The other arguments are the learner's (:meth:`like_learner`): ``pad_id``, ``forward_context``,
+    ``chunk_tokens`` (``logit_chunk_tokens``) and ``micro_batch_groups`` (``None``: a call's groups in one pass).
     """
 
     def __init__(
@@ -65,11 +59,7 @@ class BehaviorRecompute:
     def like_learner(
         cls, engine: RolloutEngine, model: torch.nn.Module, pad_id: int, trainer: Any
     ) -> BehaviorRecompute:
-        """Scoring as ``trainer``'s learner does: its precision context, device, chunking and groups per pass.
-
-        Reads the module's ``logit_chunk_tokens``, ``micro_batch_groups`` and ``dtype`` where it has them; without a
-        trainer the defaults hold.
-        """
+        """Scoring as ``trainer``'s learner does (its module's hyperparameters where set; no trainer: the defaults)."""
         if trainer is None:
             return cls(engine, model, pad_id)
         hparams = getattr(trainer.lightning_module, "hparams", {}) if trainer.lightning_module is not None else {}

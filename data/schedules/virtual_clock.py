@@ -14,10 +14,9 @@ from lit_gmc.options import check_options
 
 
 def launch_bound(lam: float, c_gen: float, max_new_tokens: int | str) -> str | int:
-    """Most launches one refill can need: ``ceil(lam * T / c_gen) + 1`` with ``T`` the completion budget.
+    """Most launches one refill can need: ``ceil(lam * T / c_gen) + 1`` (the formula, for a symbolic ``T``).
 
-    A batch launched at ``t`` is visible by ``t + lam * T``, and each launch advances the clock by ``c_gen``. Given a
-    symbolic ``max_new_tokens``, the formula.
+    A batch launched at ``t`` is visible by ``t + lam * T``, and each launch advances the clock by ``c_gen``.
     """
     if isinstance(max_new_tokens, str):
         return f"ceil({lam:g} * {max_new_tokens} / {c_gen:g}) + 1"

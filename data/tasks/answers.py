@@ -65,10 +65,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k_final_answer(rationale: str) -> str | None:
-    """The number after GSM8K's last ``####`` marker, thousands separators removed (``"1,450,000"`` -> ``"1450000"``).
-
-    Returns ``None`` when the marker is missing or nothing follows it.
-    """
+    """The number after GSM8K's last ``####``, without thousands separators, or ``None`` if there is none."""
     if _GSM8K_MARK not in rationale:
         return None
     answer = rationale.rsplit(_GSM8K_MARK, 1)[1].strip()
@@ -86,10 +83,8 @@ def reference_text(value: str | float | int | Sequence[str]) -> str:
 
     Strings lose their ``$`` delimiters; integral floats become integers (AMC23 stores ``27.0``); a list
     (OlympiadBench's ``final_answer``, several entries when ``is_multiple_answer``) is joined with
-    ``", "``, which the verifier reads as a set, so the order of the answers does not matter.
-
-    Raises:
-        ValueError: For a type that is none of these, or a non-finite number.
+    ``", "``, which the verifier reads as a set, so the order of the answers does not matter. Anything else, or
+    a non-finite number, is a ``ValueError``.
     """
     if isinstance(value, bool):
         raise ValueError(f"reference answer must be text, a number or a list of text, got {value!r}")

@@ -51,10 +51,7 @@ class Task(Protocol):
 
 
 def prompt_problem(task: str, prompts: Sequence[Any]) -> str | None:
-    """Why ``prompts`` (the ``task``'s training prompts) break the :class:`Prompt` contract, or ``None``.
-
-    Names the first wrong prompt by its position and id.
-    """
+    """Why the first bad one of ``task``'s training ``prompts`` breaks the :class:`Prompt` contract, or ``None``."""
     if not prompts:
         return f"task {task} gave no training prompts (train_prompts() is empty)"
     seen: dict[int, int] = {}
@@ -100,12 +97,7 @@ def prompts_in_chat_template(prompts: Sequence[Any], tokenizer: Any, option: str
 
 
 class PromptStream:
-    """Endless seeded walk over a task's training prompts: a fresh permutation every epoch.
-
-    Args:
-        prompts: The prompts to walk.
-        seed: Seed of the permutations (epoch ``e`` uses ``seed + e``, so the order is reproducible).
-    """
+    """Endless seeded walk over a task's training prompts: a fresh permutation every epoch, seeded ``seed + epoch``."""
 
     def __init__(self, prompts: Sequence[Prompt], seed: int = 0) -> None:
         if not prompts:
@@ -147,10 +139,8 @@ def truncate_prompt(text: str, tokenizer: Any, max_tokens: int) -> str:
 
     The end holds the question and the cue the model continues from. Only a tail window is tokenized (8 characters
     per token, widened as needed), so a long prompt is cut cheaply; the cut falls on a token boundary, then moves
-    right until the kept text re-tokenizes within budget (BPE merges can differ at the new start).
-
-    Raises:
-        ValueError: If ``max_tokens < 1`` or the tokenizer cannot report character offsets (not a fast tokenizer).
+    right until the kept text re-tokenizes within budget (BPE merges can differ at the new start). Needs a fast
+    tokenizer (character offsets).
     """
     if max_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_tokens}")

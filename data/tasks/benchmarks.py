@@ -84,10 +84,7 @@ def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
     """Problems and references of one benchmark source, and the locations of the rows left out.
 
     A row whose reference is empty could only score 0 (two of Gaokao2023-En on the hub), so it is left out and
-    counted (``skipped`` in the results).
-
-    Raises:
-        UserError: For a malformed row, naming its file and line (or its row on the hub) and the column.
+    counted (``skipped`` in the results). A malformed row is a :class:`UserError` naming its file and line (or row).
     """
     name = reference_field(source)
     kinds, read = REFERENCE_FIELDS[name]
@@ -101,10 +98,6 @@ def load_file_items(
 
     A text answer is kept verbatim, for the file's own scorer; a number is written as :func:`reference_text`
     writes it (``27.0`` as ``27``).
-
-    Raises:
-        UserError: For a malformed row, naming its file and line and the column.
-        UserFileNotFoundError: For a file that does not exist.
     """
     source = DataSource(path, {"problem": question, "answer": answer})
     return _items(
@@ -126,22 +119,13 @@ def _items(
 
 
 class CompletionScorer:
-    """An evaluation scorer (``score_pairs``) from a reward ``(completions, answer) -> list[float]`` of 0/1 values.
-
-    Args:
-        score: The function; it scores each completion on its own (as a reward does), 1.0 when correct.
-        name: How error messages name it.
-    """
+    """An evaluation scorer (``score_pairs``) from a reward ``score(completions, answer)`` of 0/1 values, ``name``d."""
 
     def __init__(self, score: Callable[[Sequence[str], str], Sequence[float]], name: str) -> None:
         self.score, self.name = score, name
 
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        """One 0/1 value per pair; consecutive pairs with one reference (a problem's samples) go in one call.
-
-        Raises:
-            ValueError: If the function returns another count of values, or a value other than 0 and 1.
-        """
+        """One 0/1 value per pair (else a ``ValueError``); consecutive pairs with one reference go in one call."""
         out: list[float] = []
         for answer, run in itertools.groupby(pairs, key=lambda pair: pair[1]):
             completions = [completion for completion, _ in run]
@@ -156,11 +140,7 @@ class CompletionScorer:
 
 
 def resolve_callable(value: str | Callable, option: str) -> Callable:
-    """``value`` itself when callable, else the object its import path (``package.module.name``) names.
-
-    Raises:
-        ValueError: If the path does not import, or names something that is not callable.
-    """
+    """``value`` itself when callable, else the callable its import path names (else a ``ValueError``)."""
     if callable(value):
         return value
     try:
@@ -173,11 +153,9 @@ def resolve_callable(value: str | Callable, option: str) -> Callable:
 
 
 def prompt_builder(template: str | Callable[[str], str], option: str) -> Callable[[str], str]:
-    """The ``question -> prompt`` function of a benchmark file's ``template`` (``Evaluation``'s ``BenchmarkFile``).
+    """The ``question -> prompt`` function of a benchmark file's ``template`` (else a ``ValueError``).
 
-    Raises:
-        ValueError: For a format string whose fields are not exactly ``{question}``, or an import path that
-            does not name a callable.
+    ``template`` is a format string whose one field is ``{question}``, or a callable or its import path.
     """
     if callable(template) or "{" not in template:
         try:

@@ -28,11 +28,10 @@ class DataSource:
     """One split of a dataset and the names of the columns we read from it.
 
     Attributes:
-        path: Hub dataset name, a local ``.json``/``.jsonl`` file, or a dataset folder ``load_dataset`` reads
-            (such as a snapshot of the hub repository).
+        path: Hub dataset name, a local ``.json``/``.jsonl`` file, or a dataset folder.
         columns: Our field name -> the source's column; a field not listed is read from the column of its name.
-        config: Hub config (subset); ``None`` takes the dataset's default. Ignored for a single file.
-        split: Split to read. Ignored for a single file, which holds one split.
+        config: Hub config (``None``: the default). A single file ignores it and ``split``.
+        split: Split to read.
     """
 
     path: str
@@ -200,11 +199,8 @@ def _field_label(source: DataSource, name: str) -> str:
 def load_records(source: DataSource, fields: Mapping[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
     """Rows of a source, keyed by our field names, each checked to have ``fields`` of the given types.
 
-    ``fields`` maps each required field to its accepted type(s); other columns are dropped.
-
-    Raises:
-        UserFileNotFoundError: A local path that does not exist.
-        UserError: Invalid JSON, a missing column or field, or a field of the wrong type, naming the file and line.
+    ``fields`` maps each required field to its accepted type(s); other columns are dropped. Invalid JSON, a missing
+    column or field or a wrong type is a :class:`UserError` naming the file and line.
     """
     table = _read_table(source)
     if table.num_rows == 0:
@@ -297,11 +293,8 @@ def make_prompts(
 class MathScorer:
     r"""The paper's reward: the last complete ``\boxed{}`` of a completion, checked by math-verify.
 
-    Args:
-        num_workers: Verifier processes.
-        timeout_s: Wall-clock bound on checking one completion; a slower check scores 0.
-        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line
-            (:func:`answer_region`), a deviation from the paper, which scores the whole completion.
+    ``num_workers`` verifier processes, each check bounded by ``timeout_s`` (a slower one scores 0);
+    ``cut_at_next_problem`` scores only :func:`answer_region`, a deviation from the paper.
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, cut_at_next_problem: bool = False) -> None:

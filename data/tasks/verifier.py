@@ -10,6 +10,7 @@ start raises, as scoring every response 0 would be worse. The module imports onl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -91,10 +92,7 @@ class _Worker:
             )
 
     def _read(self, timeout: float) -> tuple[str, object]:
-        """The next reply as ``(outcome, reply)``.
-
-        Outcome ``"ok"``; ``"timeout"`` if the worker is silent past ``timeout``; ``"crash"`` if its pipe closed.
-        """
+        """The next reply as ``(outcome, reply)``, outcome ``"ok"``, ``"timeout"`` (silent too long) or ``"crash"``."""
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
         if not ready:
             return "timeout", None
@@ -124,10 +122,8 @@ class _Worker:
             self.process.kill()
             self.process.wait()
             for pipe in (self.process.stdin, self.process.stdout):
-                try:
+                with contextlib.suppress(OSError):  # closing a pipe to a killed process may fail to flush
                     pipe.close()
-                except OSError:  # closing a pipe to a killed process may fail to flush
-                    pass
             self.process = None
 
 
