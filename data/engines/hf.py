@@ -100,7 +100,7 @@ class HFEngine(RolloutEngine):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self._version = 0
-        self._parameters: dict[str, Tensor] | None = None  # the colocated model's parameters, by name
+        self._parameters: dict[str, Tensor] | None = None  # load_weights' targets by name (shared with the process)
         self._process: EngineProcess | None = None  # the dedicated layout's engine process
         # Generation and weight loads may come from different threads (live schedule, evaluation).
         self._lock = threading.Lock()
@@ -136,7 +136,7 @@ class HFEngine(RolloutEngine):
         check_stop_tokens(tokenizer, actor)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         self._process = EngineProcess(path, self.batch_rows, threads)
-        self.tokenizer, self._version = tokenizer, 0
+        self.tokenizer, self._version, self._parameters = tokenizer, 0, self._process.parameters
 
     def _attach(self, model: nn.Module, tokenizer) -> None:
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
@@ -151,12 +151,7 @@ class HFEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy the named tensors into the behaviour copy in place and set ``version``."""
-        if self._process is not None:
-            with self._process.lock:  # never while the engine process generates
-                self._process.load_weights(named_tensors)
-                self._version = version
-            return
-        with self._lock:
+        with self._lock if self._process is None else self._process.lock:  # dedicated: never mid-generation
             if self._parameters is None:
                 self._parameters = dict(self.model.named_parameters())
             copy_weights(self._parameters, named_tensors)
@@ -312,10 +307,6 @@ class EngineProcess:
         if status == "error":
             raise RuntimeError(f"the engine process failed while {doing}:\n{value}")
         return value
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Write ``named_tensors`` into the engine's shared parameters (the caller holds :attr:`lock`)."""
-        copy_weights(self.parameters, named_tensors)
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling) -> list[RolloutGroup]:
         """The engine process's ``HFEngine.generate`` (the caller holds :attr:`lock`)."""
