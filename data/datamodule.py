@@ -123,17 +123,15 @@ class RolloutDataModule(pl.LightningDataModule):
             prompt loses its beginning, one warning counts them; applied last, after the chat template. ``null``:
             whole prompts. For the paper's setup use ``Math``'s own budget, which cuts before the template.
         chat_template: Wrap every training prompt in the actor tokenizer's chat template (a user turn, then the
-            assistant's opening), for an instruction-tuned actor; TRL-style rewards then get message lists. A
-            tokenizer without a template is refused at start-up.
+            assistant's opening); TRL-style rewards then get message lists. A tokenizer without one is refused.
         temperature: Sampling temperature (the learner's log-probs use the same; linked).
         top_p: Nucleus mass.
         seed: Seed of the prompt order and the sampling noise.
         total_updates: Planned optimizer updates (linked from ``--trainer.max_steps``, also on resume). A resume
             planning more goes on as a run planned that long if its checkpoint precedes the schedule's drain;
             otherwise see ``refill_on_extend``.
-        refill_on_extend: Let a resume from a checkpoint after the drain (a finished run's ``last.ckpt``) plan more
-            updates: the schedule refills from the current policy, as at a start (delays restart from 0). Off: such
-            a resume is refused, saying how to extend.
+        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
+            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
         recompute_behavior_logprobs: Rescore the engine's behaviour log-probs with the learner's numerics on a copy
             of the weights (a second model on the learner's device); logs the gap removed (``schedule/engine_gap_*``).
         rank0_wait_hours: Under several processes, how long the other ranks wait for rank 0 while it generates,

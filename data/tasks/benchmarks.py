@@ -2,20 +2,8 @@ r"""The paper's six evaluation benchmarks, each read into ``(problem, reference 
 
 Each benchmark reads from its hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`) unless a local copy
 (``../shared/data``, see its ``SOURCES.md``), a data folder or another hub name overrides it (:func:`load_benchmark`).
-Every row is checked, and the reference becomes one LaTeX string for the verifier, read by which of our fields the
-source maps (:data:`REFERENCE_FIELDS`):
-
-==============  ============================================================================================
-field           reference answer
-==============  ============================================================================================
-``answer``      the value as stored: text loses its ``$`` delimiters, an integral float such as AMC23's
-                ``27.0`` becomes ``27``, a list (OlympiadBench's ``final_answer``, several entries when
-                ``is_multiple_answer``) is joined into one set
-``solution``    the last complete ``\boxed{}`` of a worked solution (the local Minerva copy)
-``rationale``   the number after GSM8K's ``####``, thousands separators removed
-==============  ============================================================================================
-
-A user's own benchmark file is read by :func:`load_file_items`, with its own prompt (:func:`prompt_builder`) and
+Every row is checked, and its reference becomes one LaTeX string for the verifier (:data:`REFERENCE_FIELDS`). A
+user's own benchmark file is read by :func:`load_file_items`, with its own prompt (:func:`prompt_builder`) and
 reward (:class:`CompletionScorer`).
 """
 
@@ -66,7 +54,8 @@ REFERENCE_FIELDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], str]]
     "solution": (str, boxed_reference),
     "rationale": (str, gsm8k_reference),
 }
-"""Our field that holds the reference -> (accepted types, reader to one LaTeX string). A source maps exactly one."""
+"""Our field that holds the reference -> (accepted types, reader to one LaTeX string). A source maps exactly one:
+``answer`` (the value as stored), ``solution`` (a worked solution: the local Minerva copy), ``rationale`` (GSM8K's)."""
 
 
 def reference_field(source: DataSource) -> str:

@@ -90,16 +90,11 @@ class Reward:
     advantage (0.0 for a group of ``None``), with one warning. A wrong count or type, a NaN or infinite reward, a
     call that raises or one past ``timeout_s`` is one :class:`UserError` naming the function (non-finite rewards
     would make every gradient non-finite). Rewards outside ``[0, 1]`` are used, with one warning. The call runs in
-    a daemon thread, so a hanging reward stops the run, and a ``stop`` that turns true (a SIGTERM) ends the wait.
+    a daemon thread, so a hanging reward stops the run.
 
-    Args:
-        function: The reward function.
-        name: How messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``).
-        chat: Whether prompts are in the chat template (``--data.chat_template``): TRL-style functions then get
-            messages rather than strings.
-        timeout_s: Longest one call may take (``--data.reward_timeout_s``); ``None``: no limit, called in the
-            caller's thread.
-        stop: Polled while waiting; true: the wait ends with :class:`RewardInterrupted`.
+    ``name`` is how messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``); ``chat``
+    says prompts are in the chat template; ``timeout_s`` ``None`` is no limit, the call then made in the caller's
+    thread; a ``stop`` that turns true (a SIGTERM) ends a wait with :class:`RewardInterrupted`.
     """
 
     def __init__(
