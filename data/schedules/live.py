@@ -145,15 +145,14 @@ class Live(DelaySchedule):
                         return
                     self.claimed += size
                     self._generating += 1
+                groups: Batch = []
                 try:
                     (groups,) = produce(1, prompts=size)
                 finally:
-                    with self._cond:
+                    with self._cond:  # both at once: a snapshot (paused) never sees a call ended, its groups missing
+                        self.buffer.extend(groups)
                         self._generating -= 1
                         self._cond.notify_all()
-                with self._cond:
-                    self.buffer.extend(groups)
-                    self._cond.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the learner's thread, which re-raises it
             with self._cond:
                 self._error = (name, err)
