@@ -1,13 +1,10 @@
 """``RolloutDataModule``: prompts -> engine -> rewards -> delay schedule -> one ``RolloutBatch`` per update.
 
-The DataModule owns the rollout engine (started in ``setup``, closed in ``teardown``) and never computes a
-gradient; ``WeightSync`` feeds it new weights through ``weight_sink``. The schedule owns any background thread,
-and is closed in ``teardown`` and ``on_exception``, so none outlives ``fit``.
-
-Under data parallelism only global rank 0 holds the engine, the schedule and the prompt stream: it makes every
-update as one process would and hands each rank ``B / world`` whole groups (:meth:`RolloutBatch.shards`), so
-delays, versions and seeds do not depend on the number of ranks. The other ranks wait on the long-timeout rank-0
-channel (:func:`lit_gmc.distributed.open_rank0_channel`), since a long generation would trip the default group's.
+It owns the rollout engine and the schedule (whose threads it closes in ``teardown`` and ``on_exception``) and
+never computes a gradient; ``WeightSync`` feeds it weights through ``weight_sink``. Under data parallelism only
+rank 0 holds engine, schedule and prompts: it makes every update as one process would and hands each rank ``B /
+world`` whole groups (:meth:`RolloutBatch.shards`), so delays, versions and seeds do not depend on the number of
+ranks; the others wait on the long-timeout rank-0 channel (:func:`lit_gmc.distributed.open_rank0_channel`).
 """
 
 from __future__ import annotations

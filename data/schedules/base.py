@@ -37,13 +37,11 @@ def batch_from_state(state: list[dict[str, Any]]) -> Batch:
 class DelaySchedule(ABC):
     """Base of the delay schedules: a step counter against the planned number of updates, and the background work.
 
-    Built from its own options (``data.schedule``), then given the run's plan by :meth:`plan`; the plan is always
-    this run's (``--trainer.max_steps``), a checkpoint restores only the step reached, the plan it was taken under
-    and ``drain_step``, from which the schedule acted on the run's end (:func:`extension_problem`).
-
-    The schedule owns every thread that generates for it; the DataModule uses :meth:`next_batch`, :attr:`running`,
-    :meth:`paused` and :meth:`close`. Subclasses call ``super().__init__()``, implement :meth:`next_batch`
-    (launching through :meth:`launch`) and extend :meth:`state_dict`/:meth:`load_state_dict`.
+    The plan (:meth:`plan`) is always this run's (``--trainer.max_steps``); a checkpoint restores the step reached and
+    records the plan and ``drain_step`` (:func:`extension_problem`). It owns every thread that generates for it; the
+    DataModule calls :meth:`next_batch`, :attr:`running`, :meth:`paused` and :meth:`close`. Subclasses call
+    ``super().__init__()``, implement :meth:`next_batch` (launching through :meth:`launch`) and extend
+    :meth:`state_dict`/:meth:`load_state_dict`.
     """
 
     overlap: bool = False

@@ -53,8 +53,7 @@ class VirtualClock(DelaySchedule):
 
     Args:
         c_gen: Clock cost of launching one batch (> 0; the paper's 85).
-        lam: Clock time per token of a batch's mean completion length (>= 0; the paper's 28): a batch launched at
-            ``t`` becomes visible at ``t + lam * L``.
+        lam: Clock time per token of a batch's mean completion length ``L`` (>= 0; the paper's 28).
         c_update: Clock cost of one optimizer update (>= 0; the paper's 1).
         max_launches: Most launches in one refill (the warm-up included) before a clear error.
         overlap: Generate in a background thread while the learner trains (it pays off when ``lam > c_gen``).

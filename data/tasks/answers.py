@@ -10,29 +10,11 @@ import math
 import re
 from collections.abc import Sequence
 
-BOX_COMMAND = "\\boxed"
-
 _GSM8K_MARK = "####"
 _DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
-
-
-def _box_openers(text: str) -> set[int]:
-    r"""Positions of the ``{`` that opens each ``\boxed{`` (spaces allowed between command and brace).
-
-    ``\boxedfoo`` is another command, and ``\boxed 2`` (no brace) is not a complete box.
-    """
-    openers = set()
-    start = text.find(BOX_COMMAND)
-    while start != -1:
-        after = start + len(BOX_COMMAND)
-        brace = after
-        while brace < len(text) and text[brace] in " \t":
-            brace += 1
-        if brace < len(text) and text[brace] == "{":
-            openers.add(brace)
-        start = text.find(BOX_COMMAND, after)
-    return openers
+_BOX_OPENER = re.compile(r"\\boxed[ \t]*\{")
+"""``\\boxed{``, spaces allowed before the brace (``\\boxedfoo`` is another command, ``\\boxed 2`` no complete box)."""
 
 
 def last_boxed(text: str) -> str | None:
@@ -41,7 +23,7 @@ def last_boxed(text: str) -> str | None:
     Braces are matched with a stack, ``\{`` and ``\}`` not counting. "Last" is the box that closes last: the outer
     of nested boxes, and an unclosed ``\boxed{`` at the end (a truncated response) is skipped.
     """
-    openers = _box_openers(text)
+    openers = {match.end() - 1 for match in _BOX_OPENER.finditer(text)}  # positions of each box's "{"
     if not openers:
         return None
     stack: list[int] = []  # positions of currently open '{'

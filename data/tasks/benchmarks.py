@@ -231,15 +231,11 @@ def load_benchmark(
     split: str | None = None,
     config: str | None = None,
 ) -> Benchmark:
-    """Load a registered benchmark, by default from its hub source.
+    """Load a registered benchmark, by default from its hub source (:class:`BenchmarkUnreachable` offline).
 
     ``source`` overrides the hub source (:func:`resolve_source`, with the local copy's columns for a file);
-    without it, ``data_dir`` holds the local copies under their usual names.
-
-    Raises:
-        UserError: For an unknown name (the message lists the known ones) or a malformed file or row.
-        UserFileNotFoundError: For a local file or folder that does not exist or holds no data files.
-        BenchmarkUnreachable: For a hub dataset that cannot be reached (no network).
+    without it, ``data_dir`` holds the local copies under their usual names. Any other problem is a
+    :class:`UserError` naming the benchmark, file or row.
     """
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")

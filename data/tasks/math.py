@@ -16,8 +16,7 @@ class Math(Task):
     Args:
         path: MATH training data: ``null`` for the hub source, or a local JSON/JSONL file or dataset folder with
             ``problem`` and ``solution`` (e.g. ``data/math_train.jsonl``).
-        test_path: Held-out prompts: ``null`` for MATH-500 from the hub, or a local file or folder; read by
-            evaluation only.
+        test_path: Held-out prompts for evaluation: ``null`` for MATH-500 from the hub, or a local file or folder.
         max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning;
             ``null``: whole. It cuts the two-shot text before any chat template (``--data.max_prompt_tokens``
             cuts the final text: leave it null for the paper's setup).
@@ -26,8 +25,8 @@ class Math(Task):
         config: Config of a hub training dataset (``null``: the source's own).
         verifier_workers: Processes that run math-verify.
         verify_timeout_s: Wall-clock bound on checking one response; a slower check scores 0.
-        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line, a deviation from
-            the paper (which scores the last box of the whole completion); off by default.
+        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line (the paper scores the
+            whole completion).
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): neither changes the training prompts or rewards.
