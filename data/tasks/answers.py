@@ -48,11 +48,9 @@ def last_boxed(text: str) -> str | None:
 
 def gsm8k_final_answer(rationale: str) -> str | None:
     """The number after GSM8K's last ``####``, without thousands separators, or ``None`` if there is none."""
-    if _GSM8K_MARK not in rationale:
-        return None
-    answer = rationale.rsplit(_GSM8K_MARK, 1)[1].strip()
-    answer = _DIGIT_GROUP_COMMA.sub("", answer)
-    return answer or None
+    _, mark, answer = rationale.rpartition(_GSM8K_MARK)
+    answer = _DIGIT_GROUP_COMMA.sub("", answer.strip())
+    return answer if mark and answer else None
 
 
 def strip_dollars(latex: str) -> str:

@@ -244,13 +244,9 @@ class MathProblem:
 
 @dataclass
 class MathTrainSet:
-    r"""The MATH training rows kept, and what was left out.
+    r"""The MATH training ``problems`` kept out of the ``rows`` read, and the indices of those left out.
 
-    Attributes:
-        problems: Rows with an extractable answer, minus the prompt's worked examples.
-        rows: Rows read.
-        no_answer: Row indices whose solution has no complete ``\boxed{}`` (dropped).
-        held_out: Row indices of the prompt's worked examples (excluded from training).
+    ``no_answer``: no complete ``\boxed{}`` in the solution; ``held_out``: the prompt's worked examples.
     """
 
     problems: list[MathProblem]

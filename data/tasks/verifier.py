@@ -1,11 +1,10 @@
 r"""The paper's reward: 1 if the last complete ``\boxed{}`` of a response is equivalent to the reference, else 0.
 
-Equivalence is math-verify's. Every check runs in a worker process's main thread, where math-verify's
-``signal.alarm`` works, and the caller waits on a pipe with a hard deadline, since no alarm interrupts a long
-C-level computation (sympy expanding ``10^{10^{10}}``): a late worker is killed and the response scores 0. Nothing
-on model output raises: a math-verify error or a worker crash (memory is capped) is a 0; only a worker that cannot
-start raises, as scoring every response 0 would be worse. The module imports only the standard library and
-``answers``, and is the worker itself: ``python -m lit_gmc.data.tasks.verifier --serve``.
+Equivalence is math-verify's, checked in a worker process's main thread (where its ``signal.alarm`` works) while
+the caller waits with a hard deadline, since no alarm stops a long C-level computation (sympy expanding
+``10^{10^{10}}``): a late worker is killed and scores 0, as does any error or crash on model output. Only a worker
+that cannot start raises (scoring every response 0 would be worse). This module, which imports only the standard
+library and ``answers``, is the worker: ``python -m lit_gmc.data.tasks.verifier --serve``.
 """
 
 from __future__ import annotations
