@@ -1,16 +1,10 @@
 """``RolloutDataModule``: prompts -> engine -> rewards -> delay schedule -> one ``RolloutBatch`` per update.
 
-The DataModule owns the rollout engine (started in ``setup``, closed in ``teardown``) and never computes
-a gradient; the ``WeightSync`` callback feeds it new weights through ``weight_sink``. Background threads
-belong to the schedule (``VirtualClock`` generation overlap, ``Live`` rollout workers): they start with the
-first batch and the DataModule closes the schedule in ``teardown`` and ``on_exception``, so none outlives ``fit``.
-
-Under data parallelism (DDP, FSDP2) the engine, the schedule and the prompt stream exist on global rank 0 only:
-it generates and schedules every update's ``B`` groups exactly as a single process would, then hands each rank
-its ``B / world`` whole groups, balanced by tokens (:meth:`RolloutBatch.shards`). Delays, versions and the
-sampling seeds are therefore those of the single-process run, whatever the number of ranks. The other ranks wait
-for rank 0 on the long-timeout rank-0 channel (:func:`lit_gmc.distributed.open_rank0_channel`), never inside a
-collective of the default group, whose timeout a long generation would trip.
+It owns the rollout engine and the schedule (whose threads it closes in ``teardown`` and ``on_exception``) and
+never computes a gradient; ``WeightSync`` feeds it weights through ``weight_sink``. Under data parallelism only
+rank 0 holds engine, schedule and prompts: it makes every update as one process would and hands each rank ``B /
+world`` whole groups (:meth:`RolloutBatch.shards`), so delays, versions and seeds do not depend on the number of
+ranks; the others wait on the long-timeout rank-0 channel (:func:`lit_gmc.distributed.open_rank0_channel`).
 """
 
 from __future__ import annotations
@@ -56,14 +50,7 @@ class TokenizerSetup(Protocol):
 
 
 def within_budget(prompts: Sequence[Prompt], tokenizer: Any, max_tokens: int) -> list[Prompt]:
-    """``prompts`` with their beginning cut to ``max_tokens`` tokens of ``tokenizer`` (``--data.max_prompt_tokens``).
-
-    The cut is :func:`~lit_gmc.data.tasks.base.truncate_prompt`'s, the one Math's own budget makes; how many prompts
-    lost text is said once, in a warning.
-
-    Raises:
-        UserError: For a tokenizer that cannot report character offsets (not a fast tokenizer).
-    """
+    """``prompts`` cut by :func:`truncate_prompt` to ``max_tokens`` (``--data.max_prompt_tokens``), with a warning."""
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(
             f"--data.max_prompt_tokens {max_tokens}: cutting prompts needs a fast tokenizer (character offsets), and "
@@ -82,19 +69,11 @@ def within_budget(prompts: Sequence[Prompt], tokenizer: Any, max_tokens: int) ->
 class RolloutStream:
     """The training loader: the schedule's batches, one per update, until the schedule is exhausted.
 
-    A plain iterable rather than a ``DataLoader`` (Lightning takes any iterable): the DataModule makes each batch
-    in this process, whole, so a loader would add no workers, sampler or collation, only its own machinery (~10 us
-    an update warm, ~0.15 ms in a fit) and, for a sized ``IterableDataset``, a warning about worker over-counting.
-
-    It has a length on purpose: Lightning skips its one-batch prefetch for sized loaders, and that prefetch
-    would generate batch ``n + 1`` before the weights of update ``n`` are published, silently adding one to
-    every delay. The length is the whole run's, also after a resume: Lightning then restores ``batch_idx``
-    to the step reached and ends the epoch at ``total_updates``, while the iterator (driven by the restored
-    schedule) yields only the updates still to come.
-
-    ``state_dict`` makes Lightning treat it as resumable (no "dataloader is not resumable" warning on restart);
-    the position lives in the DataModule's ``state_dict``, which every checkpoint holds, so the stream itself has
-    nothing to save.
+    A plain iterable, not a ``DataLoader``: each batch is made whole in this process, so a loader would add only its
+    own machinery. It is sized on purpose: Lightning's one-batch prefetch, skipped for sized loaders, would generate
+    batch ``n + 1`` before update ``n``'s weights are published, adding one to every delay. The length is the whole
+    run's, also after a resume (Lightning restores ``batch_idx``; the restored schedule yields what is left).
+    ``state_dict`` only marks it resumable: the position is in the DataModule's ``state_dict``.
     """
 
     def __init__(self, datamodule: RolloutDataModule) -> None:
@@ -118,72 +97,50 @@ class RolloutStream:
 class RolloutDataModule(pl.LightningDataModule):
     """Generates the rollouts the learner consumes, with the delays the chosen schedule prescribes.
 
-    The schedule, the engine and the task are components with their own options (``class_path`` +
-    ``init_args``; on the command line ``--data.schedule FixedDelay --data.schedule.delay 32``); this class only
-    wires them and holds what they share.
+    Task, engine and schedule are components with their own options (``--data.schedule FixedDelay
+    --data.schedule.delay 32``); this class wires them and holds what they share.
 
     Args:
-        task: Verifiable task: ``Addition`` (the embedded default), ``Math`` (the paper's MATH training set), or
-            any importable class with the ``Task`` methods (``train_prompts``, ``test_prompts``, ``score``).
-        engine: Rollout engine: ``HFEngine`` (transformers ``generate``, the CPU default), ``VLLMEngine``
-            (``vllm.LLM`` in this process, weights updated in place: one GPU) or ``VLLMServers`` (``vllm serve``
-            processes on any node, weights through vLLM's weight-transfer protocol). vLLM needs
+        task: Verifiable task: ``Addition`` (the default), ``Math`` (the paper's) or any importable class with the
+            ``Task`` methods (``train_prompts``, ``test_prompts``, ``score``).
+        engine: Rollout engine: ``HFEngine`` (transformers, the CPU default), ``VLLMEngine`` (``vllm.LLM`` in this
+            process: one GPU) or ``VLLMServers`` (``vllm serve`` processes on any node). vLLM needs
             ``pip install -e ".[cpu-vllm]"`` on CPU or ``".[vllm]"`` on GPU.
-        schedule: Delay schedule: ``Sync`` (Algorithm 1), ``FixedDelay`` (a FIFO of ``delay`` batches),
-            ``VirtualClock`` (the paper's simulated asynchrony, Appendix B.1) or ``Live`` (Algorithm 2: rollout
-            worker threads beside the learner).
-        reward: Import path of a reward function that replaces the task's own ``score``, e.g.
-            ``my_project.rewards.exact_match``; ``null`` keeps the task's reward. Either ``f(completions, answer) ->
-            list[float]`` (one prompt's completions and its reference answer) or a TRL reward function, called as TRL
-            calls it: one with ``**kwargs`` or a parameter named ``prompts``, ``solution`` or ``completion_ids``
-            (``trl.rewards.accuracy_reward`` works unchanged) gets ``prompts``, ``completions``, ``completion_ids``
-            and the answer as ``answer`` and ``solution``, by keyword, one entry per completion. ``None`` for a
-            completion is TRL's "skip this example" (no advantage for it).
+        schedule: Delay schedule: ``Sync`` (Algorithm 1), ``FixedDelay``, ``VirtualClock`` (the paper's simulated
+            asynchrony) or ``Live`` (Algorithm 2: rollout workers beside the learner).
+        reward: Import path of a reward replacing the task's ``score`` (``null``: the task's): ``f(completions,
+            answer) -> list[float]``, or a TRL reward function (``**kwargs`` or a parameter ``prompts``,
+            ``solution`` or ``completion_ids``), called by keyword as TRL calls it (``trl.rewards.accuracy_reward``
+            works unchanged). ``None`` for a completion is TRL's "skip this example".
         actor: Actor to sample with (``"tiny"``, a hub name or a local path); linked to ``--model.actor``.
         group_size: ``G``, responses per prompt.
         batch_prompts: ``B``, prompts per update.
         max_new_tokens: Completion budget ``T``; also the loss normaliser (linked to the model).
-        max_prompt_tokens: Prompt budget of any task, counted in the engine's tokenizer (TRL's and verl's
-            ``max_prompt_length``): a longer training prompt loses its beginning, the end (the question and the cue
-            the model continues from) is kept, and one warning gives the count. Applied last, to the text the engine
-            will see (after the task's own ``setup(tokenizer)``, chat template included); ``null`` keeps prompts
-            whole. ``Math`` has its own ``max_prompt_tokens`` (the paper's 1,024), which cuts the two-shot text
-            before a chat template wraps it: use that one for the paper's setup, this one for any other task.
-        chat_template: Wrap every training prompt of any task (built-in or plug-in) in the actor tokenizer's chat
-            template, as a user turn followed by the assistant's opening, for an instruction-tuned actor; done after
-            the task's ``setup(tokenizer)`` and before ``max_prompt_tokens``. TRL-style reward functions then get
-            prompts and completions as message lists, as TRL gives them for conversational data. A tokenizer
-            without a template is refused at start-up.
+        max_prompt_tokens: Prompt budget of any task in the engine's tokens (TRL's ``max_prompt_length``): a longer
+            prompt loses its beginning, one warning counts them; applied last, after the chat template. ``null``:
+            whole prompts. For the paper's setup use ``Math``'s own budget, which cuts before the template.
+        chat_template: Wrap every training prompt in the actor tokenizer's chat template (a user turn, then the
+            assistant's opening); TRL-style rewards then get message lists. A tokenizer without one is refused.
         temperature: Sampling temperature (the learner's log-probs use the same; linked).
         top_p: Nucleus mass.
         seed: Seed of the prompt order and the sampling noise.
-        total_updates: Planned number of optimizer updates (linked from ``--trainer.max_steps``); a resumed run
-            plans this many too, whatever the checkpoint's run planned. Resumed with more, it goes on exactly as a run
-            planned that long from the start, provided its checkpoint precedes the schedule's drain (the updates at
-            the end for which it stops generating); otherwise see ``refill_on_extend``.
-        refill_on_extend: Let a resume plan more updates from a checkpoint taken after the schedule began its drain
-            (e.g. the ``last.ckpt`` of a finished run): the schedule refills from the current policy, as at a start,
-            so delays restart from 0 (a fill of the queue). Off: such a resume is refused with a message saying how
-            to extend.
-        recompute_behavior_logprobs: Replace the engine's behaviour log-probs with the learner's computation on a
-            copy of the same weights, with the learner's numerics (precision context, device, dtype, chunking), and
-            log the gap removed (``schedule/engine_gap_abs_{mean,max}``); the copy is a second model on the
-            learner's device.
-        rank0_wait_hours: Under several processes, how long the other ranks wait for global rank 0 while it
-            generates, evaluates or checkpoints (a FIFO fill, a ``Sync`` round, a benchmark) before they give up;
-            these waits use their own gloo group with this timeout, not ``--trainer.strategy.timeout``.
-        reward_timeout_s: Longest one call of the reward (one prompt's ``group_size`` completions) may take before
-            the run stops with an error naming it. The default suits the ``Math`` verifier, which bounds each check
-            at 10 s (``--data.task.init_args.verifier.timeout_s``) over 2 worker processes: 32 checks take at most
-            160 s. The reward runs in a helper thread while the learner waits, so a reward that times itself with
-            ``signal.alarm`` (math-verify's ``parse``/``verify`` with their default timeouts) must turn that off
-            (``parsing_timeout=None``, ``timeout_seconds=None``) or use ``null``: no limit, called in the
-            learner's thread. A SIGTERM (preemption) ends the wait at once and saves ``last.ckpt`` of the last
-            update, as between two updates (one process; schedules that generate on request).
+        total_updates: Planned optimizer updates (linked from ``--trainer.max_steps``, also on resume). A resume
+            planning more goes on as a run planned that long if its checkpoint precedes the schedule's drain;
+            otherwise see ``refill_on_extend``.
+        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
+            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
+        recompute_behavior_logprobs: Rescore the engine's behaviour log-probs with the learner's numerics on a copy
+            of the weights (a second model on the learner's device); logs the gap removed (``schedule/engine_gap_*``).
+        rank0_wait_hours: Under several processes, how long the other ranks wait for rank 0 while it generates,
+            evaluates or checkpoints; on their own gloo group, not ``--trainer.strategy.timeout``.
+        reward_timeout_s: Longest one reward call (one prompt's completions) may take before the run stops; the
+            default covers ``Math``'s verifier (32 checks of at most 10 s on 2 workers). The call runs in a helper
+            thread, so a reward timed by ``signal.alarm`` (math-verify's defaults) must turn that off
+            (``parsing_timeout=None``, ``timeout_seconds=None``) or use ``null``: no limit, called in the learner's
+            thread. A SIGTERM ends the wait and saves ``last.ckpt``.
     """
 
-    # Options a resume may change (lit_gmc.resume asks the class): linked from --trainer.max_steps: a finished run may
-    # go on.
+    # Options a resume may change (lit_gmc.resume asks the class): a finished run may go on.
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"total_updates", "refill_on_extend"})
 
     def __init__(
@@ -273,11 +230,9 @@ class RolloutDataModule(pl.LightningDataModule):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Publish new weights to the engine.
 
-        Inside the schedule's ``paused`` block, background launches from the previous version have finished, so
-        each batch is generated by exactly the version it was launched at (the ``VirtualClock`` sequence does not
-        depend on thread timing). While the schedule's generation is ``running`` (``Live`` workers), the weights
-        are copied and staged instead, and a worker loads them before its next generation call, so the learner
-        never waits for a generation in progress.
+        Inside the schedule's ``paused`` block, so each batch is generated by exactly the version it was launched
+        at. While the schedule is ``running`` (``Live``) they are staged instead, for a worker to load before its
+        next call, so the learner never waits for a generation in progress.
         """
         if self.schedule.running:
             staged = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
@@ -312,11 +267,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.started = self.rank == 0
 
     def start_engine(self) -> None:
-        """Start the engine on the actor (rank 0), let the task see its tokenizer, and open the prompt stream.
-
-        The stream's prompts are the task's, cut to ``max_prompt_tokens``; a :class:`UserError` refuses them when the
-        longest leaves no room for ``max_new_tokens`` in the actor's context (:func:`context_problem`).
-        """
+        """Start the engine (rank 0), let the task see its tokenizer, check its prompts and open the prompt stream."""
         hp = self.hparams
         run_folder = getattr(self.trainer.logger, "root_dir", None) if self.trainer is not None else None
         if run_folder is not None and getattr(self.engine, "log_dir", "") is None:  # launched servers' logs
@@ -352,8 +303,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
-        self.stop_background()
+        self.schedule.close()  # joins the schedule's threads, each after its current call
         if self.started:
+            self._apply_staged_weights()  # the engine ends on the newest published version
             self.engine.close()
             if self.recompute is not None:
                 self.engine, self.recompute = self.recompute.engine, None  # the component again, for a later setup
@@ -364,22 +316,12 @@ class RolloutDataModule(pl.LightningDataModule):
         """Lightning skips ``teardown`` after an exception or Ctrl-C; stop every thread and the engine here."""
         self.teardown("fit")
 
-    def stop_background(self) -> None:
-        """Join the schedule's threads (each finishes its current call); idempotent."""
-        self.schedule.close()
-        if self.started:
-            self._apply_staged_weights()  # the engine ends on the newest published version
-
     @override
     def train_dataloader(self) -> RolloutStream:
         return RolloutStream(self)
 
     def produce(self, count: int, prompts: int | None = None) -> list[Batch]:
-        """``count`` launches of ``prompts`` (default B) scored groups each, from the engine's current weights.
-
-        Thread-safe (``Live`` workers and the overlap thread call it): prompts and launch ids are claimed under a
-        lock, in call order.
-        """
+        """``count`` launches of ``prompts`` (default B) scored groups each; thread-safe, claimed in call order."""
         size = prompts or self.hparams.batch_prompts
         return [self._generate(*self._claim(size)) for _ in range(count)]
 
@@ -407,10 +349,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return scored
 
     def next_share(self) -> RolloutBatch | None:
-        """This rank's share of the next update (the whole batch on one process); ``None`` once it is exhausted.
-
-        Rank 0 runs the schedule and tells every rank alike when it is exhausted; every rank must call this.
-        """
+        """This rank's share of the next update (all of it on one process), ``None`` at the end; every rank calls it."""
         if self.world == 1:
             return None if self.schedule.exhausted else self.next_batch_or_preempted()
         if self.rank != 0:
@@ -421,8 +360,7 @@ class RolloutDataModule(pl.LightningDataModule):
     def next_batch_or_preempted(self) -> RolloutBatch:
         """:meth:`next_batch`, or Lightning's ``SIGTERMException`` for a SIGTERM while it waits for a reward.
 
-        The state is then put back as it was before the call, so the ``last.ckpt`` that ``RunCheckpoint`` writes
-        for the exception holds the last update's state and resumes the run exactly.
+        The state is then put back, so the ``last.ckpt`` written for the exception resumes the run exactly.
         """
         if self.schedule.overlap or self.schedule.running:  # generation in other threads: not undone here
             return self.next_batch()
@@ -434,8 +372,7 @@ class RolloutDataModule(pl.LightningDataModule):
             raise SIGTERMException from None
 
     def _sigterm_received(self) -> bool:
-        trainer = getattr(self, "trainer", None)
-        return bool(trainer is not None and trainer.received_sigterm)
+        return self.trainer is not None and self.trainer.received_sigterm
 
     def next_batch(self) -> RolloutBatch:
         """The schedule's next batch, collated; ``info`` records what was consumed (logged as ``schedule/*``)."""
@@ -450,12 +387,8 @@ class RolloutDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Schedule, prompt-stream position and launch counter, taken while no live worker is mid-call.
 
-        The schedule's part holds its queues and in-flight batches (versions and behaviour log-probs included),
-        the virtual clock and its counters; sampling seeds derive from launch ids, so nothing else is random.
-        Empty on ranks other than 0, which hold none of it (rank 0 writes the checkpoint). Every rank calls it
-        (Lightning builds a checkpoint on every rank) and waits here, on the rank-0 channel, while rank 0 waits for
-        a live worker to finish its generation call: their next collective (a gather of the model's state, the
-        barrier after saving) is on the default group.
+        Sampling seeds derive from launch ids, so nothing else is random. Empty on ranks other than 0, which wait
+        here on the rank-0 channel while rank 0 waits for a worker: their next collective is on the default group.
         """
         if self.rank != 0:
             wait_for_rank0()

@@ -142,6 +142,23 @@ def test_state_round_trip_loses_and_repeats_nothing(tmp_path):
     assert ids == list(range(36))
 
 
+def test_a_snapshot_beside_running_workers_holds_every_claimed_group():
+    """A finished call's groups reach the buffer as its end is counted, so a snapshot never holds a claim without them.
+
+    The tear showed in about 2% of snapshots beside four workers that return at once; the loop stops at the first.
+    """
+    group = VersionedGroups()(1, prompts=1)[0][0]
+    torn, deadline = 0, time.monotonic() + 3.0
+    while not torn and time.monotonic() < deadline:
+        schedule = Live(workers=4, chunk_prompts=1).plan(100, 4)
+        schedule.next_batch(lambda count, prompts: [[group] * prompts])
+        for _ in range(50):
+            state = schedule.state_dict()
+            torn += state["claimed"] != state["step"] * 4 + len(state["buffer"])
+        schedule.close()
+    assert not torn, "a snapshot counted claimed groups that are neither consumed nor buffered"
+
+
 def test_a_worker_error_reaches_the_learner_with_its_traceback():
     schedule = Live(chunk_prompts=1).plan(10, 2)
     producer = VersionedGroups(fail_on_call=4)

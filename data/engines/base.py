@@ -19,13 +19,10 @@ from lit_gmc.data.tasks.base import Prompt
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy (log-probs then use the raw logits).
+    """How to sample: the paper's ``temperature`` and ``top_p`` are 1.0, its ``max_new_tokens`` ``T`` 4,096.
 
-    Attributes:
-        temperature: Softmax temperature; the paper uses 1.0.
-        top_p: Nucleus mass; the paper uses 1.0.
-        max_new_tokens: Completion budget ``T`` (the paper's 4,096).
-        seed: Seed of this call's sampling noise (same seed, same weights: same samples).
+    ``temperature == 0`` is greedy (log-probs then use the raw logits). The same ``seed`` and weights give the same
+    samples.
     """
 
     temperature: float = 1.0

@@ -1,22 +1,19 @@
 """The transformers engine (DESIGN.md §5): ``generate`` on a behaviour copy of the actor, in this process or its own.
 
-``HFEngine(layout="dedicated")`` runs the engine in a spawned process (:class:`EngineProcess`), so that
-generation and learning run at the same time: in one process, a background generation thread and the learner
-share the interpreter lock, and the tiny job's many small kernels hold it most of the time. Weights are shared,
-not sent: the engine process moves its model's parameters into shared memory and hands them to the learner's
-process, which writes published weights into them in place. A write and a generation never overlap (one lock),
-and versions are stamped under that lock, so each batch carries the version of the weights it was generated
-with. Written on ``torch.multiprocessing`` (spawn) rather than a serving framework: the engine is one object with
-two calls, and the tensors it exchanges are what torch's shared-memory pickling already moves.
+``HFEngine(layout="dedicated")`` runs it in a spawned process (:class:`EngineProcess`), so generation and learning
+do not share one interpreter lock. Its parameters live in shared memory, where the learner's process writes
+published weights in place; writes, generations and version stamps share one lock, so each batch carries the version
+it was generated with. ``torch.multiprocessing`` suffices: the engine is one object with two calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -36,11 +33,7 @@ SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring th
 
 
 def check_stop_tokens(tokenizer: Any, actor: str) -> None:
-    """Raise one :class:`UserError` naming ``actor`` if its tokenizer has no EOS token (nor a padding token).
-
-    A response ends at the first EOS and shorter responses are padded, so neither can be guessed; a base model's
-    tokenizer that lacks them is fixed in its ``tokenizer_config.json`` (``"eos_token"``), not here.
-    """
+    """Raise one :class:`UserError` naming ``actor`` if its tokenizer lacks an EOS or padding token (never guessed)."""
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         tokens = {"eos_token": tokenizer.eos_token_id, "pad_token": tokenizer.pad_token_id}
         missing = " and ".join(name for name, token in tokens.items() if token is None)
@@ -62,12 +55,9 @@ def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
 def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int = SCORE_CHUNK_BYTES) -> Tensor:
     """Log-probs ``(rows, L)`` of the sampled ``tokens`` under ``generate``'s ``scores`` (one ``(rows, V)`` a position).
 
-    The scores are the processed logits the sampler drew from (temperature, top-p; -inf where filtered). Positions
-    are reduced a chunk at a time, as many as fit in ``chunk_bytes`` of float32 logits (at least one): a whole
-    ``(rows, L, V)`` copy at real vocabulary sizes would be gigabytes, while at the tiny job's sizes one chunk takes
-    three calls instead of three per position. Every chunk size gives the same values (each row is normalised alone).
-    (transformers' ``compute_transition_scores(..., normalize_logits=True)`` computes these log-probs on exactly
-    such a whole stacked copy, hence this function.)
+    The scores are the logits the sampler drew from (temperature and top-p applied). Positions are reduced as many
+    at a time as fit in ``chunk_bytes`` of float32 logits: transformers' ``compute_transition_scores`` stacks the
+    whole ``(rows, L, V)``, gigabytes at real vocabulary sizes. Every chunk size gives the same values.
     """
     rows, vocab = scores[0].shape
     per_chunk = max(1, chunk_bytes // (4 * rows * vocab))
@@ -82,10 +72,7 @@ def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int 
 def seeded(seed: int) -> Iterator[None]:
     """``torch.manual_seed(seed)`` for the block; the CPU's and every initialised GPU's generator restored after it.
 
-    ``torch.manual_seed`` seeds every GPU, not only the engine's, so ``fork_rng`` saves and restores them all and the
-    caller's random streams are left as they were. (One limit: where CUDA is present but not initialised yet,
-    ``torch.manual_seed`` queues its GPU seed until CUDA starts, which ``fork_rng`` cannot undo; a learner already
-    on the GPU has initialised it.)
+    (Where CUDA is not initialised yet, ``manual_seed`` queues a GPU seed that ``fork_rng`` cannot undo.)
     """
     gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=gpus):
@@ -96,17 +83,14 @@ def seeded(seed: int) -> Iterator[None]:
 class HFEngine(RolloutEngine):
     """transformers ``generate`` on a behaviour copy of the actor (the CPU default).
 
-    Built from its options alone (``data.engine``); :meth:`start` loads the actor, or :meth:`from_model` wraps a
-    model already in memory.
+    :meth:`start` loads the actor, or :meth:`from_model` wraps a model already in memory.
 
     Args:
         batch_rows: Most rows (prompts x n) per ``generate`` call, to bound memory.
-        layout: ``colocated`` (in the learner's process) or ``dedicated``: in a process of its own
-            (:mod:`lit_gmc.data.engines.hf`), so that a background schedule (``Live``, ``VirtualClock`` with
-            ``overlap``) generates while the learner learns, instead of sharing one interpreter with it. The
-            samples are the same in both layouts.
-        threads: ``dedicated`` only: torch threads of the engine process; ``null`` takes this process's number
-            when the engine starts (the same numerics as ``colocated``).
+        layout: ``colocated`` (in the learner's process) or ``dedicated`` (a process of its own, so a background
+            schedule generates while the learner learns). The samples are the same.
+        threads: ``dedicated`` only: torch threads of the engine process; ``null``: this process's number (the
+            numerics of ``colocated``).
     """
 
     def __init__(self, batch_rows: int = 512, layout: Literal["colocated", "dedicated"] = "colocated",
@@ -116,7 +100,7 @@ class HFEngine(RolloutEngine):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self._version = 0
-        self._parameters: dict[str, Tensor] | None = None  # the colocated model's parameters, by name
+        self._parameters: dict[str, Tensor] | None = None  # load_weights' targets by name (shared with the process)
         self._process: EngineProcess | None = None  # the dedicated layout's engine process
         # Generation and weight loads may come from different threads (live schedule, evaluation).
         self._lock = threading.Lock()
@@ -152,7 +136,7 @@ class HFEngine(RolloutEngine):
         check_stop_tokens(tokenizer, actor)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         self._process = EngineProcess(path, self.batch_rows, threads)
-        self.tokenizer, self._version = tokenizer, 0
+        self.tokenizer, self._version, self._parameters = tokenizer, 0, self._process.parameters
 
     def _attach(self, model: nn.Module, tokenizer) -> None:
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
@@ -167,12 +151,7 @@ class HFEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy the named tensors into the behaviour copy in place and set ``version``."""
-        if self._process is not None:
-            with self._process.lock:  # never while the engine process generates
-                self._process.load_weights(named_tensors)
-                self._version = version
-            return
-        with self._lock:
+        with self._lock if self._process is None else self._process.lock:  # dedicated: never mid-generation
             if self._parameters is None:
                 self._parameters = dict(self.model.named_parameters())
             copy_weights(self._parameters, named_tensors)
@@ -208,9 +187,8 @@ class HFEngine(RolloutEngine):
         width = input_ids.shape[1]
         device = next(self.model.parameters()).device
         greedy = sampling.temperature == 0
-        kwargs = {"do_sample": False}
-        if not greedy:
-            kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        sample = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        kwargs = {"do_sample": False} if greedy else sample
         with self._lock, torch.no_grad(), seeded(call_seed):
             out = self.model.generate(
                 input_ids=input_ids.to(device),
@@ -230,9 +208,8 @@ class HFEngine(RolloutEngine):
         if greedy:  # one decode per prompt, copied to its n rows
             tokens, logprobs = tokens.repeat_interleave(n, 0), logprobs.repeat_interleave(n, 0)  # (len(prompts) * n, L)
         mask, reasons = _response_mask(tokens, tok.eos_token_id)
-        padding = ~mask
-        tokens = tokens.masked_fill(padding, tok.pad_token_id)
-        logprobs = logprobs.masked_fill(padding, 0.0)
+        tokens = tokens.masked_fill(~mask, tok.pad_token_id)
+        logprobs = logprobs.masked_fill(~mask, 0.0)
         # Each group owns its tensors (clones, not views of the launch's), so that a checkpointed or long-queued
         # group holds only its own rows.
         parts = zip(tokens.split(n), mask.split(n), logprobs.split(n), strict=True)
@@ -271,23 +248,14 @@ def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[st
             parameters[name].copy_(tensor)  # copy_ casts to the target's dtype and device itself
 
 
-def as_arrays(group: RolloutGroup) -> RolloutGroup:
-    """``group`` with numpy arrays for its tensors, which pickle inline.
+def converted(group: RolloutGroup, kind: type, convert: Callable[[Any], Any]) -> RolloutGroup:
+    """``group`` with ``convert`` applied to its fields of type ``kind``.
 
-    Torch would put every small tensor in a shared-memory file of its own, slower than sending the bytes.
+    Groups cross the pipe as numpy arrays, which pickle inline: torch would put every small tensor in a shared-memory
+    file of its own, slower than sending the bytes.
     """
-    return dataclasses.replace(group, **{
-        field.name: value.numpy() for field in dataclasses.fields(group)
-        if isinstance(value := getattr(group, field.name), Tensor)
-    })  # fmt: skip
-
-
-def as_tensors(group: RolloutGroup) -> RolloutGroup:
-    """The inverse of :func:`as_arrays`."""
-    return dataclasses.replace(group, **{
-        field.name: torch.from_numpy(value) for field in dataclasses.fields(group)
-        if isinstance(value := getattr(group, field.name), np.ndarray)
-    })  # fmt: skip
+    values = {field.name: getattr(group, field.name) for field in dataclasses.fields(group)}
+    return dataclasses.replace(group, **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
 
 
 def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None:
@@ -307,19 +275,13 @@ def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None
         if request == "close":
             return
         try:
-            connection.send(("ok", [as_arrays(group) for group in engine.generate(*args)]))
+            connection.send(("ok", [converted(group, Tensor, Tensor.numpy) for group in engine.generate(*args)]))
         except BaseException:
             connection.send(("error", traceback.format_exc()))
 
 
 class EngineProcess:
-    """The client side: starts the engine process and talks to it (used by ``HFEngine(layout="dedicated")``).
-
-    Args:
-        actor: What the engine process loads (``"tiny"``, a hub name or a local path).
-        batch_rows: ``HFEngine``'s rows per ``generate`` call.
-        threads: torch threads of the engine process (``None``: torch's default).
-    """
+    """The client of ``HFEngine(layout="dedicated")``'s process, which loads ``actor`` on ``threads`` torch threads."""
 
     def __init__(self, actor: str, batch_rows: int, threads: int | None) -> None:
         context = mp.get_context("spawn")
@@ -346,25 +308,19 @@ class EngineProcess:
             raise RuntimeError(f"the engine process failed while {doing}:\n{value}")
         return value
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Write ``named_tensors`` into the engine's shared parameters (the caller holds :attr:`lock`)."""
-        copy_weights(self.parameters, named_tensors)
-
     def generate(self, prompts: Sequence[Prompt], n: int, sampling) -> list[RolloutGroup]:
         """The engine process's ``HFEngine.generate`` (the caller holds :attr:`lock`)."""
         try:
             self.connection.send(("generate", (list(prompts), n, sampling)))
         except OSError:  # a broken pipe: the process is gone
             raise self._died("generating") from None
-        return [as_tensors(group) for group in self._reply("generating")]
+        return [converted(group, np.ndarray, torch.from_numpy) for group in self._reply("generating")]
 
     def close(self) -> None:
         """Stop the engine process (at once if it does not stop by itself); idempotent."""
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):  # a broken pipe: the process is gone
                 self.connection.send(("close", None))
-            except (BrokenPipeError, OSError):
-                pass
             self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()

@@ -21,29 +21,16 @@ from lit_gmc.logprobs import response_logprobs
 class BehaviorRecompute:
     """An engine whose behaviour log-probs are rescored with the learner's numerics on a copy of the same weights.
 
-    The wrapped engine samples; :func:`~lit_gmc.logprobs.response_logprobs` on an HF copy, kept at the engine's
-    version in the learner's dtype and on its device, scores the sampled tokens at the sampling temperature and
-    replaces the engine's log-probs. It scores as the learner will: the groups of one ``generate`` call collated
-    together (as the learner collates a batch of them), in passes of ``micro_batch_groups`` groups, under the
-    learner's ``forward_context`` (its precision plugin's autocast) and LM-head chunking. So where the learner sees
-    the same batch with the same weights (rows it trains on at delay 0 of a schedule whose batches are whole
-    launches), the ratio is exactly 1; elsewhere the gap left is the rounding of another batch layout, far below
-    the engine's. The gap it removed is measured: :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|``
-    over the tokens generated since the previous call. The learner applies no top-p, so with ``top_p < 1`` the
-    rescored log-probs are those of the tempered, untruncated distribution, as the learner's are. At scale the copy
-    is a second full model in the learner's dtype on the engine owner's device (15 GiB at Qwen3-4B with fp32
-    masters; ``scripts/memory_estimate.py --recompute-behavior-logprobs`` counts it): off by default, not the
-    paper's setting.
+    The wrapped engine samples; :func:`~lit_gmc.logprobs.response_logprobs` on a copy kept at the engine's version
+    rescores the tokens as the learner will: one call's groups collated together, in passes of
+    ``micro_batch_groups``, under the learner's ``forward_context``, dtype, device and LM-head chunking, at the
+    sampling temperature without top-p. So a batch the learner sees whole with the same weights has a ratio of
+    exactly 1. :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|`` since its last call. The copy is a
+    second model on the learner's device (``scripts/memory_estimate.py --recompute-behavior-logprobs``).
 
-    Args:
-        engine: The engine that samples.
-        model: The copy (a transformers causal LM on the actor's weights).
-        pad_id: Padding token id, as the learner collates.
-        forward_context: The learner's forward context, e.g. ``trainer.precision_plugin.train_step_context``.
-        chunk_tokens: The learner's ``logit_chunk_tokens``.
-        micro_batch_groups: The learner's groups per pass; ``None``: all of a call's groups in one pass.
-        device: Where the copy scores (the learner's device); ``None``: where ``model`` is.
-        dtype: The copy's parameter dtype (the learner's, e.g. its fp32 master weights); ``None``: ``model``'s.
+    ``engine`` samples; ``model`` is the copy (a transformers causal LM), moved to ``device`` and ``dtype`` (``None``:
+    as it is). The other arguments are the learner's (:meth:`like_learner`): ``pad_id``, ``forward_context``,
+    ``chunk_tokens`` (``logit_chunk_tokens``) and ``micro_batch_groups`` (``None``: a call's groups in one pass).
     """
 
     def __init__(
@@ -72,13 +59,7 @@ class BehaviorRecompute:
     def like_learner(
         cls, engine: RolloutEngine, model: torch.nn.Module, pad_id: int, trainer: Any
     ) -> BehaviorRecompute:
-        """Scoring as ``trainer``'s learner does: its precision context, device, chunking and groups per pass.
-
-        The module's ``logit_chunk_tokens``, ``micro_batch_groups`` and ``dtype`` hyperparameters are read when it
-        has them (:class:`~lit_gmc.module.GMCModule` does); without a trainer (a DataModule used alone) the defaults
-        hold. Published weights move the copy to their device and dtype: exactness needs them as the learner holds
-        them (a ``WeightSync`` without a ``dtype``).
-        """
+        """Scoring as ``trainer``'s learner does (its module's hyperparameters where set; no trainer: the defaults)."""
         if trainer is None:
             return cls(engine, model, pad_id)
         hparams = getattr(trainer.lightning_module, "hparams", {}) if trainer.lightning_module is not None else {}

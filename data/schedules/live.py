@@ -1,13 +1,8 @@
 """The ``live`` schedule: the paper's Algorithm 2 for real, rollout workers running beside the learner.
 
-Worker threads generate groups continuously with the latest published weights and append them to a
-buffer in completion order; the learner pops ``B`` groups per update whenever they are there. Groups of
-one update may come from different policy versions, so their delays differ. Generation is lossless:
-workers stop once every group the run needs is claimed, and everything claimed is consumed.
-
-Threads never outlive the run: :meth:`Live.close` (called by the DataModule's ``teardown`` and
-``on_exception``) stops and joins them, and a worker's exception is re-raised in the learner's thread at
-its next batch, chained to the original so its traceback is printed.
+Worker threads generate with the latest published weights into a buffer, in completion order; each update pops
+the next ``B`` groups, which may come from different versions. Lossless: workers stop once every group the run
+needs is claimed. :meth:`Live.close` joins them, and a worker's exception is re-raised, chained, in the learner.
 """
 
 from __future__ import annotations
@@ -15,17 +10,13 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.schedules.base import Batch, DelaySchedule, batch_from_state, batch_state
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, Producer, batch_from_state, batch_state
 from lit_gmc.options import check_options
-
-GroupProducer = Callable[..., list[Batch]]
-"""``produce(1, prompts=k)``: one launch of ``k`` prompts (``k`` groups) from the latest published weights.
-Called from worker threads, so it must be thread-safe."""
 
 THREAD_PREFIX = "lit_gmc-rollout-worker"
 
@@ -37,19 +28,16 @@ class RolloutWorkerError(RuntimeError):
 class Live(DelaySchedule):
     """Rollout workers generate while the learner trains; each update takes the next ``B`` completed groups.
 
-    Workers generate exactly ``total_updates * B`` groups (the plan, see :meth:`DelaySchedule.plan`).
+    Workers generate exactly ``total_updates * B`` groups.
 
     Args:
-        workers: Worker threads. Both engines generate one call at a time, so a second worker overlaps the
-            scoring (e.g. math-verify) and collation of one call with the generation of the next; more than two
-            help only an engine that serves concurrent requests.
-        chunk_prompts: Prompts per generation call (``None``: ``B``). A call never spans two updates, so with
-            ``chunk_prompts < B`` one update mixes groups generated at different versions.
-        max_staleness: Optional admission gate, off by default: a worker claims prompts only if they will be
-            consumed at most this many updates after the newest version the learner has published. With one
-            worker that bounds every delay; with several, completions can reorder by up to ``workers - 1``
-            updates. Nothing is ever dropped: the gate delays generation, it does not discard rollouts (the
-            paper warns that discarding by time or delay biases the data toward short responses).
+        workers: Worker threads. A second overlaps one call's scoring with the next call's generation; more help
+            only an engine that serves concurrent requests.
+        chunk_prompts: Prompts per generation call (``None``: ``B``); a call never spans two updates.
+        max_staleness: Optional gate, off by default: a worker claims prompts only if they will be consumed at most
+            this many updates after the newest published version, which bounds every delay with one worker (several
+            may reorder by up to ``workers - 1``). It delays generation, never drops rollouts (that biases the data
+            toward short responses).
         join_timeout_s: How long :meth:`close` waits for a worker to finish its current generation call.
     """
 
@@ -93,21 +81,11 @@ class Live(DelaySchedule):
         return problems
 
     @property
-    def chunk(self) -> int:
-        """Prompts per generation call (``chunk_prompts``, or ``B``)."""
-        return self.chunk_prompts or self.batch_prompts
-
-    @property
-    def needed_groups(self) -> int:
-        """Groups the whole run consumes (``total_updates * B``)."""
-        return self.total_updates * self.batch_prompts
-
-    @property
     def running(self) -> bool:
         """Whether any worker thread is alive (published weights are then staged for the workers)."""
         return any(t.is_alive() for t in self._threads)
 
-    def next_batch(self, produce: GroupProducer) -> tuple[Batch, dict[str, float]]:
+    def next_batch(self, produce: Producer) -> tuple[Batch, dict[str, float]]:
         """The next ``B`` completed groups; starts the workers on the first call, re-raises a worker's error."""
         if self.exhausted:
             raise StopIteration
@@ -131,7 +109,7 @@ class Live(DelaySchedule):
             }
         return batch, info
 
-    def _start(self, produce: GroupProducer) -> None:
+    def _start(self, produce: Producer) -> None:
         self._stopping, self._error = False, None
         for i in range(self.workers):
             thread = threading.Thread(target=self._work, args=(produce,), name=f"{THREAD_PREFIX}-{i}", daemon=True)
@@ -147,17 +125,17 @@ class Live(DelaySchedule):
         """Wait (holding the lock) until a worker may claim a chunk; its size, or 0 when the worker should exit."""
         b = self.batch_prompts
         while True:
-            left = self.needed_groups - self.claimed
+            left = self.total_updates * b - self.claimed  # of the groups the whole run consumes
             if self._stopping or self._error is not None or left == 0:
                 return 0
-            size = min(self.chunk, left, b - self.claimed % b)  # never across an update boundary
+            size = min(self.chunk_prompts or b, left, b - self.claimed % b)  # never across an update boundary
             last_step = (self.claimed + size - 1) // b  # the update that will consume the chunk's last group
             gated = self.max_staleness is not None and last_step - self._published > self.max_staleness
             if not self._paused and not gated:
                 return size
             self._cond.wait()
 
-    def _work(self, produce: GroupProducer) -> None:
+    def _work(self, produce: Producer) -> None:
         name = threading.current_thread().name
         try:
             while True:
@@ -167,15 +145,14 @@ class Live(DelaySchedule):
                         return
                     self.claimed += size
                     self._generating += 1
+                groups: Batch = []
                 try:
                     (groups,) = produce(1, prompts=size)
                 finally:
-                    with self._cond:
+                    with self._cond:  # both at once: a snapshot (paused) never sees a call ended, its groups missing
+                        self.buffer.extend(groups)
                         self._generating -= 1
                         self._cond.notify_all()
-                with self._cond:
-                    self.buffer.extend(groups)
-                    self._cond.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the learner's thread, which re-raises it
             with self._cond:
                 self._error = (name, err)

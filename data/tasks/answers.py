@@ -1,9 +1,7 @@
 r"""Final-answer extraction: the last complete ``\boxed{...}`` of a text, GSM8K's ``#### n`` line, references.
 
-Pure string functions, linear in the length of the text, that never raise on any ``str`` input (model
-output can be anything: unclosed braces, thousands of nested groups, 100 kB of junk). They are used both
-for the MATH training labels (the paper's 7,498 rows are exactly the solutions with a braced box) and
-for the rewards, so a label and a response are read by the same rule.
+Pure string functions, linear in the text and never raising on any ``str`` (model output can be anything). Labels
+and responses are read by the same rule.
 """
 
 from __future__ import annotations
@@ -12,46 +10,20 @@ import math
 import re
 from collections.abc import Sequence
 
-BOX_COMMAND = "\\boxed"
-
 _GSM8K_MARK = "####"
 _DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
-
-
-def _box_openers(text: str) -> set[int]:
-    r"""Positions of the ``{`` that opens each ``\boxed{`` (spaces allowed between command and brace).
-
-    ``\boxedfoo`` is another command, and ``\boxed 2`` (no brace) is not a complete box.
-    """
-    openers = set()
-    start = text.find(BOX_COMMAND)
-    while start != -1:
-        after = start + len(BOX_COMMAND)
-        brace = after
-        while brace < len(text) and text[brace] in " \t":
-            brace += 1
-        if brace < len(text) and text[brace] == "{":
-            openers.add(brace)
-        start = text.find(BOX_COMMAND, after)
-    return openers
+_BOX_OPENER = re.compile(r"\\boxed[ \t]*\{")
+"""``\\boxed{``, spaces allowed before the brace (``\\boxedfoo`` is another command, ``\\boxed 2`` no complete box)."""
 
 
 def last_boxed(text: str) -> str | None:
     r"""Content of the last complete ``\boxed{...}`` in ``text``, stripped, or ``None`` if there is none.
 
-    Braces are matched in one left-to-right pass with a stack; a backslash escapes the next character, so
-    ``\{`` and ``\}`` (set braces) do not count. "Last" is the box that closes last: for nested boxes
-    that is the outer one, and an unclosed ``\boxed{`` at the end (a truncated response) is skipped in
-    favour of the last box that did close.
-
-    Args:
-        text: Any string (a solution or a model response).
-
-    Returns:
-        The text between the box's braces, or ``None`` when no ``\boxed{`` is ever closed.
+    Braces are matched with a stack, ``\{`` and ``\}`` not counting. "Last" is the box that closes last: the outer
+    of nested boxes, and an unclosed ``\boxed{`` at the end (a truncated response) is skipped.
     """
-    openers = _box_openers(text)
+    openers = {match.end() - 1 for match in _BOX_OPENER.finditer(text)}  # positions of each box's "{"
     if not openers:
         return None
     stack: list[int] = []  # positions of currently open '{'
@@ -75,15 +47,10 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k_final_answer(rationale: str) -> str | None:
-    """The number after GSM8K's last ``####`` marker, thousands separators removed (``"1,450,000"`` -> ``"1450000"``).
-
-    Returns ``None`` when the marker is missing or nothing follows it.
-    """
-    if _GSM8K_MARK not in rationale:
-        return None
-    answer = rationale.rsplit(_GSM8K_MARK, 1)[1].strip()
-    answer = _DIGIT_GROUP_COMMA.sub("", answer)
-    return answer or None
+    """The number after GSM8K's last ``####``, without thousands separators, or ``None`` if there is none."""
+    _, mark, answer = rationale.rpartition(_GSM8K_MARK)
+    answer = _DIGIT_GROUP_COMMA.sub("", answer.strip())
+    return answer if mark and answer else None
 
 
 def strip_dollars(latex: str) -> str:
@@ -96,10 +63,8 @@ def reference_text(value: str | float | int | Sequence[str]) -> str:
 
     Strings lose their ``$`` delimiters; integral floats become integers (AMC23 stores ``27.0``); a list
     (OlympiadBench's ``final_answer``, several entries when ``is_multiple_answer``) is joined with
-    ``", "``, which the verifier reads as a set, so the order of the answers does not matter.
-
-    Raises:
-        ValueError: For a type that is none of these, or a non-finite number.
+    ``", "``, which the verifier reads as a set, so the order of the answers does not matter. Anything else, or
+    a non-finite number, is a ``ValueError``.
     """
     if isinstance(value, bool):
         raise ValueError(f"reference answer must be text, a number or a list of text, got {value!r}")

@@ -1,7 +1,7 @@
 """The task protocol: prompts and their check, the chat-template wrapping and prompt budget every task gets, the stream.
 
-A task is a list of training prompts, a list of held-out prompts and a reward function; the stream
-walks the training prompts in a seeded order, epoch after epoch, and can be checkpointed.
+A task is training prompts, held-out prompts and a reward; the stream walks the training prompts in a seeded,
+checkpointable order, epoch after epoch.
 """
 
 from __future__ import annotations
@@ -19,14 +19,9 @@ class Prompt:
     """One verifiable problem, as a task gives it.
 
     Attributes:
-        id: An ``int``, unique among the task's training prompts: it keys the prompt in records and messages and
-            becomes a tensor in the batch (``RolloutBatch.prompt_ids``), so a string or a float is refused at
-            start-up, naming the task and the prompt.
-        text: The prompt as the task writes it, a non-empty ``str``. Under ``--data.chat_template`` the DataModule
-            wraps it in the actor tokenizer's chat template (a user turn, then the assistant's opening) before the
-            engine sees it; a task never wraps it itself.
-        answer: The reference answer, a ``str``, given to the reward (``score(completions, answer)``; TRL-style
-            reward functions get it as ``answer`` and ``solution``). May be empty for a reward that ignores it.
+        id: An ``int``, unique among the task's training prompts; it becomes a tensor (``RolloutBatch.prompt_ids``).
+        text: The prompt, a non-empty ``str``, never in a chat template (the DataModule applies one if asked).
+        answer: The reference answer given to the reward, a ``str`` (may be empty for a reward that ignores it).
     """
 
     id: int
@@ -38,19 +33,11 @@ class Prompt:
 class Task(Protocol):
     """What the DataModule needs from a task (``data.task``): any class with these three methods works.
 
-    No subclassing or registration; its init args become ``--data.task.<name>`` options. The DataModule, once the
-    rollout engine has started:
-
-    1. calls the optional ``setup(tokenizer)`` once, with the engine's tokenizer (e.g. to count tokens), before any
-       other method and after the actor is loaded; on rank 0 only, and only once per run (a resume calls it again);
-    2. reads :meth:`train_prompts` and checks every :class:`Prompt` (types, unique ids): a wrong one stops the run
-       with one line naming the task and the prompt;
-    3. wraps each prompt's text in the tokenizer's chat template if ``--data.chat_template`` is on (the one switch,
-       the same for every task: a task never applies a chat template itself);
-    4. cuts every prompt to ``--data.max_prompt_tokens`` and checks the longest against the actor's context.
-
-    The task's own ``score`` is the reward unless ``--data.reward`` names another function. ``test_prompts`` is
-    read by whoever evaluates the task, never for training.
+    No subclassing or registration; its init args become ``--data.task.<name>`` options. Once the engine has started,
+    the DataModule (on rank 0, once per run) calls the optional ``setup(tokenizer)``, checks every prompt of
+    :meth:`train_prompts` (one line naming the task and the prompt), applies ``--data.chat_template`` and
+    ``--data.max_prompt_tokens``, and checks the longest against the actor's context. ``score`` is the reward
+    unless ``--data.reward`` names another; ``test_prompts`` is for evaluation only.
     """
 
     def train_prompts(self) -> Sequence[Prompt]:
@@ -64,11 +51,7 @@ class Task(Protocol):
 
 
 def prompt_problem(task: str, prompts: Sequence[Any]) -> str | None:
-    """Why ``prompts`` (the ``task``'s training prompts) break the :class:`Prompt` contract, or ``None``.
-
-    Checks the first wrong prompt only, and names it by its position and id: a :class:`Prompt` (or a dataclass with
-    its fields), an ``int`` id unique among the prompts, a non-empty ``str`` text and a ``str`` answer.
-    """
+    """Why the first bad one of ``task``'s training ``prompts`` breaks the :class:`Prompt` contract, or ``None``."""
     if not prompts:
         return f"task {task} gave no training prompts (train_prompts() is empty)"
     seen: dict[int, int] = {}
@@ -97,35 +80,24 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def in_chat_template(text: str, tokenizer: Any, option: str = "--data.chat_template") -> str:
-    """``text`` as a user turn in ``tokenizer``'s chat template, followed by the assistant's opening.
+def prompts_in_chat_template(prompts: Sequence[Any], tokenizer: Any, option: str = "--data.chat_template") -> list[Any]:
+    """``prompts`` (dataclasses with a ``text``), each text a user turn in ``tokenizer``'s chat template.
 
-    The template's own special tokens are part of the text, so the engine must not add them again (neither engine
-    does: prompts are tokenized without special tokens).
+    The template's special tokens are then part of the text, which no engine tokenizes with special tokens.
     """
+    turns = [[{"role": "user", "content": prompt.text}] for prompt in prompts]
     try:
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+        texts = [tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) for turn in turns]
     except (ValueError, AttributeError) as err:  # transformers: "Cannot use chat template functions ... not set"
         raise UserError(
             f"{option}: the actor's tokenizer has no chat template ({type(tokenizer).__name__}); leave {option} "
             "off for a base model, or choose an instruction-tuned actor"
         ) from err
-
-
-def prompts_in_chat_template(prompts: Sequence[Any], tokenizer: Any, option: str = "--data.chat_template") -> list[Any]:
-    """``prompts`` (dataclasses with a ``text``, e.g. :class:`Prompt`), each text :func:`in_chat_template`."""
-    return [replace(prompt, text=in_chat_template(prompt.text, tokenizer, option)) for prompt in prompts]
+    return [replace(prompt, text=text) for prompt, text in zip(prompts, texts, strict=True)]
 
 
 class PromptStream:
-    """Endless seeded walk over a task's training prompts: a fresh permutation every epoch.
-
-    Args:
-        prompts: The prompts to walk.
-        seed: Seed of the permutations (epoch ``e`` uses ``seed + e``, so the order is reproducible).
-    """
+    """Endless seeded walk over a task's training prompts: a fresh permutation every epoch, seeded ``seed + epoch``."""
 
     def __init__(self, prompts: Sequence[Prompt], seed: int = 0) -> None:
         if not prompts:
@@ -165,14 +137,10 @@ class PromptStream:
 def truncate_prompt(text: str, tokenizer: Any, max_tokens: int) -> str:
     """``text`` with its beginning cut so that it tokenizes to at most ``max_tokens`` tokens.
 
-    The end is kept because it holds the problem and the ``Solution:`` cue the model continues from. Only a
-    tail window of the text is tokenized (8 characters per allowed token, widened until it holds more than
-    ``max_tokens`` tokens or the whole text), so cutting a long prompt to a short budget stays cheap. The cut
-    falls on a token boundary from the fast tokenizer's offsets, then moves right until re-tokenizing the
-    kept text really fits (BPE merges can differ at the new start).
-
-    Raises:
-        ValueError: If ``max_tokens < 1`` or the tokenizer cannot report character offsets (not a fast tokenizer).
+    The end holds the question and the cue the model continues from. Only a tail window is tokenized (8 characters
+    per token, widened as needed), so a long prompt is cut cheaply; the cut falls on a token boundary, then moves
+    right until the kept text re-tokenizes within budget (BPE merges can differ at the new start). Needs a fast
+    tokenizer (character offsets).
     """
     if max_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_tokens}")

@@ -1,25 +1,10 @@
 r"""The paper's six evaluation benchmarks, each read into ``(problem, reference answer)`` pairs.
 
-Each benchmark has a default hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`: dataset, config,
-split and the columns to read), so a plain clone needs no local files. A local JSONL copy (the files in
-``../shared/data``, see its ``SOURCES.md``), a data folder holding those copies, a dataset folder laid out like
-the hub repository, or another hub name overrides it (:func:`load_benchmark`). Everything is read through the
-``datasets`` library, every row is checked (an error names the file and line, or the row), and the
-benchmark's own answer format becomes one LaTeX string for the verifier. A source says how its reference is
-stored by which of our reference fields it maps (:data:`REFERENCE_FIELDS`):
-
-==============  ============================================================================================
-field           reference answer
-==============  ============================================================================================
-``answer``      the value as stored: text loses its ``$`` delimiters, an integral float such as AMC23's
-                ``27.0`` becomes ``27``, a list (OlympiadBench's ``final_answer``, several entries when
-                ``is_multiple_answer``) is joined into one set
-``solution``    the last complete ``\boxed{}`` of a worked solution (the local Minerva copy)
-``rationale``   the number after GSM8K's ``####``, thousands separators removed
-==============  ============================================================================================
-
-A benchmark of a user's own (``Evaluation``'s ``BenchmarkFile``) is read by :func:`load_file_items`, its answers
-kept as they are, and comes with its own prompt (:func:`prompt_builder`) and reward (:class:`CompletionScorer`).
+Each benchmark reads from its hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`) unless a local copy
+(``../shared/data``, see its ``SOURCES.md``), a data folder or another hub name overrides it (:func:`load_benchmark`).
+Every row is checked, and its reference becomes one LaTeX string for the verifier (:data:`REFERENCE_FIELDS`). A
+user's own benchmark file is read by :func:`load_file_items`, with its own prompt (:func:`prompt_builder`) and
+reward (:class:`CompletionScorer`).
 """
 
 from __future__ import annotations
@@ -49,11 +34,7 @@ class BenchmarkItem:
 
 
 def boxed_reference(solution: str) -> str:
-    r"""The reference in a worked solution: its last complete, non-empty ``\boxed{}``.
-
-    Raises:
-        ValueError: If the solution has no such box.
-    """
+    r"""The reference in a worked solution: its last complete, non-empty ``\boxed{}`` (a ``ValueError`` if none)."""
     answer = last_boxed(solution)
     if not answer:
         raise ValueError("no complete \\boxed{} with an answer")
@@ -61,11 +42,7 @@ def boxed_reference(solution: str) -> str:
 
 
 def gsm8k_reference(rationale: str) -> str:
-    """The reference in a GSM8K rationale: the number after its last ``####``.
-
-    Raises:
-        ValueError: If there is no ``#### <answer>`` line.
-    """
+    """The reference in a GSM8K rationale: the number after its last ``####`` (a ``ValueError`` if none)."""
     answer = gsm8k_final_answer(rationale)
     if answer is None:
         raise ValueError("no '#### <answer>' line")
@@ -77,15 +54,12 @@ REFERENCE_FIELDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], str]]
     "solution": (str, boxed_reference),
     "rationale": (str, gsm8k_reference),
 }
-"""Our field that holds the reference -> (accepted types, reader to one LaTeX string). A source maps exactly one."""
+"""Our field that holds the reference -> (accepted types, reader to one LaTeX string). A source maps exactly one:
+``answer`` (the value as stored), ``solution`` (a worked solution: the local Minerva copy), ``rationale`` (GSM8K's)."""
 
 
 def reference_field(source: DataSource) -> str:
-    """Which of :data:`REFERENCE_FIELDS` the source maps.
-
-    Raises:
-        UserError: If it maps none or several.
-    """
+    """Which of :data:`REFERENCE_FIELDS` the source maps (a :class:`UserError` if none or several)."""
     found = [name for name in REFERENCE_FIELDS if name in source.columns]
     if len(found) != 1:
         raise UserError(
@@ -96,17 +70,33 @@ def reference_field(source: DataSource) -> str:
 
 
 def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
-    """Problems and references of one benchmark source, and the locations of the rows left out for an empty one.
+    """Problems and references of one benchmark source, and the locations of the rows left out.
 
-    The reference fields are in the module docstring. A row left out is one whose reference answer is empty: such
-    a row could only ever score 0 (two rows of Gaokao2023-En on the hub are like this), so it is left out of the
-    benchmark and counted (``skipped`` in the results), never scored.
-
-    Raises:
-        UserError: For a malformed row, naming its file and line (or its row on the hub) and the column.
+    A row whose reference is empty could only score 0 (two of Gaokao2023-En on the hub), so it is left out and
+    counted (``skipped`` in the results). A malformed row is a :class:`UserError` naming its file and line (or row).
     """
     name = reference_field(source)
     kinds, read = REFERENCE_FIELDS[name]
+    return _items(source, name, kinds, read)
+
+
+def load_file_items(
+    path: str, question: str = "question", answer: str = "answer"
+) -> tuple[list[BenchmarkItem], list[str]]:
+    """:func:`load_items` of a user's JSON/JSONL benchmark file (``Evaluation``'s ``BenchmarkFile``).
+
+    A text answer is kept verbatim, for the file's own scorer; a number is written as :func:`reference_text`
+    writes it (``27.0`` as ``27``).
+    """
+    source = DataSource(path, {"problem": question, "answer": answer})
+    return _items(
+        source, "answer", (str, int, float), lambda value: value if isinstance(value, str) else reference_text(value)
+    )
+
+
+def _items(
+    source: DataSource, name: str, kinds: type | tuple[type, ...], read: Callable[[Any], str]
+) -> tuple[list[BenchmarkItem], list[str]]:
     items, skipped = [], []
     for index, row in enumerate(load_records(source, {"problem": str, name: kinds})):
         try:
@@ -117,55 +107,14 @@ def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
     return items, skipped
 
 
-def load_file_items(
-    path: str, question: str = "question", answer: str = "answer"
-) -> tuple[list[BenchmarkItem], list[str]]:
-    """Problems and references of a user's benchmark file (``Evaluation``'s ``BenchmarkFile``), read as they are.
-
-    Also the locations (file and line) of the rows left out for an empty answer. Unlike the registered benchmarks'
-    references, which become LaTeX for the math verifier, a text answer is kept verbatim (the file's own scorer
-    reads it); a number is written as :func:`reference_text` writes it (``27.0`` as ``27``), so a file may store
-    numeric answers as numbers.
-
-    Args:
-        path: A JSON or JSONL file, read with ``load_dataset("json")``.
-        question: Column of the question.
-        answer: Column of the reference answer.
-
-    Raises:
-        UserError: For a malformed row, naming its file and line and the column.
-        UserFileNotFoundError: For a file that does not exist.
-    """
-    source = DataSource(path, {"problem": question, "answer": answer})
-    rows = load_records(source, {"problem": str, "answer": (str, int, float)})
-    items, skipped = [], []
-    for index, row in enumerate(rows):
-        value = row["answer"]
-        try:
-            item = BenchmarkItem(row["problem"], value if isinstance(value, str) else reference_text(value))
-        except ValueError as err:
-            raise UserError(f"{row_location(source, index)}: column {answer!r}: {err}") from err
-        (items.append(item) if item.answer.strip() else skipped.append(row_location(source, index)))
-    return items, skipped
-
-
 class CompletionScorer:
-    """An evaluation scorer (``score_pairs``) from a reward ``(completions, answer) -> list[float]`` of 0/1 values.
-
-    Args:
-        score: The function; it scores each completion on its own (as a reward does), 1.0 when correct.
-        name: How error messages name it.
-    """
+    """An evaluation scorer (``score_pairs``) from a reward ``score(completions, answer)`` of 0/1 values, ``name``d."""
 
     def __init__(self, score: Callable[[Sequence[str], str], Sequence[float]], name: str) -> None:
         self.score, self.name = score, name
 
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        """One 0/1 value per pair; consecutive pairs with one reference (a problem's samples) go in one call.
-
-        Raises:
-            ValueError: If the function returns another count of values, or a value other than 0 and 1.
-        """
+        """One 0/1 value per pair (else a ``ValueError``); consecutive pairs with one reference go in one call."""
         out: list[float] = []
         for answer, run in itertools.groupby(pairs, key=lambda pair: pair[1]):
             completions = [completion for completion, _ in run]
@@ -180,11 +129,7 @@ class CompletionScorer:
 
 
 def resolve_callable(value: str | Callable, option: str) -> Callable:
-    """``value`` itself when callable, else the object its import path (``package.module.name``) names.
-
-    Raises:
-        ValueError: If the path does not import, or names something that is not callable.
-    """
+    """``value`` itself when callable, else the callable its import path names (else a ``ValueError``)."""
     if callable(value):
         return value
     try:
@@ -197,11 +142,9 @@ def resolve_callable(value: str | Callable, option: str) -> Callable:
 
 
 def prompt_builder(template: str | Callable[[str], str], option: str) -> Callable[[str], str]:
-    """The ``question -> prompt`` function of a benchmark file's ``template`` (``Evaluation``'s ``BenchmarkFile``).
+    """The ``question -> prompt`` function of a benchmark file's ``template`` (else a ``ValueError``).
 
-    Raises:
-        ValueError: For a format string whose fields are not exactly ``{question}``, or an import path that
-            does not name a callable.
+    ``template`` is a format string whose one field is ``{question}``, or a callable or its import path.
     """
     if callable(template) or "{" not in template:
         try:
@@ -217,71 +160,50 @@ def prompt_builder(template: str | Callable[[str], str], option: str) -> Callabl
     return lambda question: template.format(question=question)
 
 
+# The hub sources, checked against each dataset's card, file list or users' code; what stays uncertain is said.
 MATH500_HUB = DataSource("HuggingFaceH4/MATH-500", {"problem": "problem", "answer": "answer"}, None, "test")
-"""Checked against the card of HuggingFaceH4/MATH-500: one config, split ``test`` (500 rows, ``test.jsonl``),
-columns ``problem``, ``solution``, ``answer``, ``subject``, ``level``, ``unique_id``: the local copy's layout."""
+"""500 rows, the local copy's layout."""
 
 GSM8K_HUB = DataSource("openai/gsm8k", {"problem": "question", "rationale": "answer"}, "main", "test")
-"""Checked against the card of openai/gsm8k: configs ``main`` and ``socratic``; ``main`` has splits ``train``
-(7,473) and ``test`` (1,319, ``main/test-00000-of-00001.parquet``), columns ``question`` and ``answer`` (the
-rationale, ending in ``#### <number>``): the local copy's layout, less its ``idx``."""
+"""1,319 rows; ``answer`` is the rationale, ending in ``#### <number>``."""
 
 GAOKAO2023EN_HUB = DataSource(
     "MARIO-Math-Reasoning/Gaokao2023-Math-En", {"problem": "question", "answer": "answer"}, None, "train"
 )
-"""Checked against the file list of MARIO-Math-Reasoning/Gaokao2023-Math-En (MIT): one file,
-``Gaokao2023-Math-En.jsonl``, so its only split is the ``train`` that ``datasets`` names an unsplit file
-(385 problems), with columns ``question``, ``answer`` (LaTeX in ``$...$``), ``source``, ``lang``,
-``sourcename``, ``id`` as its users read them: the local copy's layout. Uncertain: the column list was seen in
-users' code, not in the card (whose README has only a license)."""
+"""One unsplit file (so ``train``), 385 problems, answers in ``$...$``. Uncertain: columns seen in users' code only."""
 
 OLYMPIADBENCH_HUB = DataSource(
     "Hothan/OlympiadBench", {"problem": "question", "answer": "final_answer"}, "OE_TO_maths_en_COMP", "train"
 )
-"""Checked against users of Hothan/OlympiadBench: config ``OE_TO_maths_en_COMP`` (open-ended, text-only,
-English maths competition problems), whose only split is ``train``; columns include ``question``,
-``final_answer`` (a list of strings), ``is_multiple_answer``, ``unit``, ``context``. Uncertain: the row count;
-evalscope lists 674 for this subset (the paper's number), the local copy holds 675 (see ``SOURCES.md``)."""
+"""Open-ended English competition maths; ``final_answer`` is a list. Uncertain: 674 rows (the paper) or 675 (ours)."""
 
 MINERVA_HUB = DataSource("math-ai/minervamath", {"problem": "question", "answer": "answer"}, None, "test")
-"""Checked against the file list of math-ai/minervamath (one file, ``test.jsonl``, so split ``test``; 272
-problems) and its users, who all read columns ``question`` and ``answer`` (the final answer, not a worked
-solution: unlike the local copy, whose reference is the last box of ``solution``). Uncertain: the card lists no
-columns, and one user rewrites a few answers given in Python notation (``np.``), which may then never verify."""
+"""272 problems; ``answer`` is final, unlike the local copy's ``solution``. Uncertain: a few use Python notation."""
 
 AMC23_HUB = DataSource("math-ai/amc23", {"problem": "question", "answer": "answer"}, None, "test")
-"""Checked against users of math-ai/amc23: split ``test`` (40 problems of AMC 12A/12B 2023), columns ``id``,
-``question``, ``answer``, ``url`` (the local copy also has ``question``, a copy of its ``problem``). Uncertain:
-whether ``answer`` is stored as a number (the local copy's ``27.0``) or as text; both are accepted."""
+"""40 problems of AMC 12A/12B 2023. Uncertain: ``answer`` stored as a number or as text; both are accepted."""
 
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """How to find and read one benchmark, and how many samples the paper draws per problem.
+    """How to find and read one benchmark: ``samples`` is the paper's n for avg@n.
 
-    Attributes:
-        title: Display name.
-        samples: The paper's n for avg@n.
-        hub: Default source (a hub dataset).
-        filename: Name of the local copy in a data folder (``../shared/data``).
-        file_columns: Columns of that local copy (the Qwen2.5-Math evaluation layout).
+    ``filename`` and ``file_columns`` (``None``: the hub's) are its local copy's, in the Qwen2.5-Math evaluation layout.
     """
 
     title: str
     samples: int
     hub: DataSource
     filename: str
-    file_columns: Mapping[str, str]
+    file_columns: Mapping[str, str] | None = None
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "math500": BenchmarkSpec("MATH-500", 16, MATH500_HUB, "math500_test.jsonl", MATH500_HUB.columns),
-    "gsm8k": BenchmarkSpec("GSM8K", 8, GSM8K_HUB, "gsm8k_test.jsonl", GSM8K_HUB.columns),
-    "gaokao2023en": BenchmarkSpec(
-        "Gaokao2023-En", 8, GAOKAO2023EN_HUB, "gaokao2023en_test.jsonl", GAOKAO2023EN_HUB.columns
-    ),
+    "math500": BenchmarkSpec("MATH-500", 16, MATH500_HUB, "math500_test.jsonl"),
+    "gsm8k": BenchmarkSpec("GSM8K", 8, GSM8K_HUB, "gsm8k_test.jsonl"),
+    "gaokao2023en": BenchmarkSpec("Gaokao2023-En", 8, GAOKAO2023EN_HUB, "gaokao2023en_test.jsonl"),
     "olympiadbench": BenchmarkSpec(
-        "OlympiadBench", 8, OLYMPIADBENCH_HUB, "olympiadbench_OE_TO_maths_en_COMP_test.jsonl", OLYMPIADBENCH_HUB.columns
+        "OlympiadBench", 8, OLYMPIADBENCH_HUB, "olympiadbench_OE_TO_maths_en_COMP_test.jsonl"
     ),
     "minerva": BenchmarkSpec(
         "Minerva", 16, MINERVA_HUB, "minerva_math_test.jsonl", {"problem": "problem", "solution": "solution"}
@@ -309,20 +231,11 @@ def load_benchmark(
     split: str | None = None,
     config: str | None = None,
 ) -> Benchmark:
-    """Load a registered benchmark, by default from its hub source.
+    """Load a registered benchmark, by default from its hub source (:class:`BenchmarkUnreachable` offline).
 
-    Args:
-        name: Registry name (see :data:`BENCHMARKS`).
-        source: Overrides the hub source: a local JSONL copy (read with the copy's columns), a hub name or a
-            dataset folder (read with the hub spec's config, split and columns), or a full ``DataSource``.
-        data_dir: Folder holding the local copies under their usual names; used when ``source`` is not given.
-        split: Overrides the source's split.
-        config: Overrides the source's config.
-
-    Raises:
-        UserError: For an unknown name (the message lists the known ones) or a malformed file or row.
-        UserFileNotFoundError: For a local file or folder that does not exist or holds no data files.
-        BenchmarkUnreachable: For a hub dataset that cannot be reached (no network).
+    ``source`` overrides the hub source (:func:`resolve_source`, with the local copy's columns for a file);
+    without it, ``data_dir`` holds the local copies under their usual names. Any other problem is a
+    :class:`UserError` naming the benchmark, file or row.
     """
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")

@@ -6,44 +6,30 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from lit_gmc.data.tasks.base import Prompt, Task
-from lit_gmc.data.tasks.math_data import (
-    MATH_TRAIN_SOURCE,
-    MathScorer,
-    is_local,
-    load_math_train,
-    load_tokenizer,
-    make_prompts,
-)
+from lit_gmc.data.tasks.math_data import MATH_TRAIN_SOURCE, MathScorer, is_local, load_math_train, make_prompts
 from lit_gmc.options import check_options
 
 
 class Math(Task):
     r"""MATH training prompts (two-shot), MATH-500 as held-out prompts, and the paper's math-verify reward.
 
-    The reward is 1 when the last complete ``\boxed{}`` of a completion is equivalent to the reference under
-    math-verify, else 0 (see :class:`~lit_gmc.data.tasks.math_data.MathScorer`).
-
     Args:
-        path: MATH training data: ``null`` for the default hub source, or a local JSON/JSONL file or dataset
-            folder with ``problem`` and ``solution`` (e.g. ``data/math_train.jsonl``).
-        test_path: Held-out prompts: ``null`` for MATH-500 from its default hub source, or a local file or
-            folder; loaded on first use (evaluation), never for training.
-        max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning.
-            ``null`` keeps prompts whole. It cuts the two-shot text, before ``--data.chat_template`` wraps it, so
-            the template is never cut; ``--data.max_prompt_tokens``, the budget every task has, cuts the final text
-            after this one (leave it null for the paper's setup).
-        tokenizer: Tokenizer (actor name or path) that counts prompt tokens; ``null``: the rollout engine's, so
-            the budget is counted in the tokens the engine will see.
+        path: MATH training data: ``null`` for the hub source, or a local JSON/JSONL file or dataset folder with
+            ``problem`` and ``solution`` (e.g. ``data/math_train.jsonl``).
+        test_path: Held-out prompts for evaluation: ``null`` for MATH-500 from the hub, or a local file or folder.
+        max_prompt_tokens: Prompt budget in tokens (the paper's 1,024); longer prompts lose their beginning;
+            ``null``: whole. It cuts the two-shot text before any chat template (``--data.max_prompt_tokens``
+            cuts the final text: leave it null for the paper's setup).
+        tokenizer: Tokenizer (actor name or path) that counts prompt tokens; ``null``: the rollout engine's.
         split: Split of a hub or folder training dataset (``null``: the source's own).
         config: Config of a hub training dataset (``null``: the source's own).
         verifier_workers: Processes that run math-verify.
         verify_timeout_s: Wall-clock bound on checking one response; a slower check scores 0.
-        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line, a deviation from
-            the paper (which scores the last box of the whole completion); off by default.
+        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line (the paper scores the
+            whole completion).
     """
 
-    # Options a resume may change (lit_gmc.resume asks the class): held-out prompts and the verifier's processes, not
-    # the training prompts or rewards.
+    # Options a resume may change (lit_gmc.resume asks the class): neither changes the training prompts or rewards.
     may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"test_path", "verifier_workers"})
 
     def __init__(
@@ -63,7 +49,11 @@ class Math(Task):
         self.test_path = test_path
         self.data = load_math_train(path, split=split, config=config)  # loaded now: a bad file fails at start-up
         self._triples = [(p.id, p.problem, p.answer) for p in self.data.problems]
-        self.tokenizer: Any = load_tokenizer(tokenizer) if tokenizer is not None else None
+        self.tokenizer: Any = None
+        if tokenizer is not None:
+            from lit_gmc.actor import load_tokenizer  # lazy: transformers, only needed to count prompt tokens
+
+            self.tokenizer = load_tokenizer(tokenizer, "--data.task.tokenizer")
         self._train: list[Prompt] | None = None
         self._test: list[Prompt] | None = None
         self.scorer = MathScorer(verifier_workers, verify_timeout_s, cut_at_next_problem=cut_at_next_problem)
@@ -82,10 +72,7 @@ class Math(Task):
 
     @staticmethod
     def preflight_problems(path: str | None = None, tokenizer: str | None = None, **_: Any) -> list[str]:
-        """Why the training data or the ``tokenizer`` option cannot be read here, checked before anything loads.
-
-        A missing file, or the hub out of reach; ``test_path`` is the evaluation's, checked when it is read.
-        """
+        """Why the training data or ``tokenizer`` cannot be read (missing, or the hub out of reach), before loading."""
         from lit_gmc.preflight import source_problem
 
         source = path or MATH_TRAIN_SOURCE.path

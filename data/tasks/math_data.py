@@ -1,22 +1,17 @@
 r"""The paper's training task: MATH (Hendrycks et al. 2021) with a two-shot ``\boxed{}`` prompt and math-verify rewards.
 
-Data comes from a :class:`DataSource`: by default a hub dataset (:data:`MATH_TRAIN_SOURCE`), so a plain
-clone runs with no local files; a local JSON/JSONL file (such as ``../shared/data/math_train.jsonl``) or a
-dataset folder overrides it. All loading goes through the ``datasets`` library (``load_dataset("json",
-data_files=...)`` for a file, ``load_dataset(path, config, split=...)`` for a hub name or a folder), so
-users get its caching. Every row is checked: a missing field or one of the wrong type is an error naming
-the file and line (the row number on the hub). The reference answer of a training row is the last
-complete ``\boxed{...}`` of its ``solution`` by our own extractor (a precomputed ``answer`` is not
-trusted); rows without one are dropped and counted (on the shipped file: the 2 of 7,500 that write
-``\boxed 2`` without braces, leaving the paper's 7,498). Two rows close an empty ``\boxed{}``: their answer
-is extractable (the empty string), so they are kept as the paper's count implies, and always score 0.
-The two worked examples of the prompt are training problems, removed from the training prompts.
+Data comes from a :class:`DataSource`, by default on the hub (:data:`MATH_TRAIN_SOURCE`), or a local JSON/JSONL
+file or dataset folder, all read through ``datasets``; a bad row is an error naming its file and line. A row's
+reference is the last complete ``\boxed{...}`` of its ``solution`` by our extractor; rows without one are dropped
+and counted (2 of 7,500 write ``\boxed 2``, leaving the paper's 7,498; two empty boxes are kept, as that count
+implies, and score 0). The prompt's two worked examples are removed from the training prompts.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,11 +28,10 @@ class DataSource:
     """One split of a dataset and the names of the columns we read from it.
 
     Attributes:
-        path: Hub dataset name, a local ``.json``/``.jsonl`` file, or a dataset folder ``load_dataset`` reads
-            (such as a snapshot of the hub repository).
+        path: Hub dataset name, a local ``.json``/``.jsonl`` file, or a dataset folder.
         columns: Our field name -> the source's column; a field not listed is read from the column of its name.
-        config: Hub config (subset); ``None`` takes the dataset's default. Ignored for a single file.
-        split: Split to read. Ignored for a single file, which holds one split.
+        config: Hub config (``None``: the default). A single file ignores it and ``split``.
+        split: Split to read.
     """
 
     path: str
@@ -53,10 +47,8 @@ class DataSource:
 MATH_TRAIN_SOURCE = DataSource(
     "DigitalLearningGmbH/MATH-lighteval", {"problem": "problem", "solution": "solution"}, "default", "train"
 )
-"""MATH train (7,500 rows) on the hub. Checked against the card of DigitalLearningGmbH/MATH-lighteval: config
-``default`` (all seven subjects; the other configs hold one subject each), splits ``train`` (7,500) and ``test``
-(5,000), columns ``problem``, ``level``, ``solution``, ``type``. Its row order is the hub's, not the local file's
-subject/number order, so problem ids (row indices) differ between the two; the problems are the same."""
+"""MATH train on the hub (7,500 rows; config ``default`` holds all seven subjects). Problem ids are row indices, so
+they differ from the local file's, which is in subject/number order; the problems are the same."""
 
 INSTRUCTION = (
     "Solve each math problem below. Think it through step by step, showing your reasoning, and write the "
@@ -108,9 +100,8 @@ def build_prompt(problem: str) -> str:
 def answer_region(completion: str) -> str:
     """The part of a completion before a new ``Problem:`` line (used only with ``cut_at_next_problem``).
 
-    Why it exists: a base model continuing a few-shot prompt often goes on to invent the next problem and box
-    its answer. The paper scores the last box of the whole completion regardless (so such a completion scores
-    by the invented answer); cutting here is our optional deviation, off by default.
+    A base model continuing a few-shot prompt often invents the next problem and boxes its answer; the paper
+    scores the last box regardless.
     """
     cut = completion.find(f"\n{PROBLEM_MARK}")
     return completion if cut == -1 else completion[:cut]
@@ -135,9 +126,8 @@ def resolve_source(
 ) -> DataSource:
     """The source to read, from what a user gave and the dataset's hub spec.
 
-    ``None`` is the hub spec itself. A local JSON/JSONL file is read with ``file_columns`` (default: the hub's
-    columns). Any other string, a hub name (a mirror) or a dataset folder (a snapshot of the hub repository),
-    takes the hub spec's config, split and columns. ``split`` and ``config``, when given, override the result's.
+    ``None`` is ``hub``; a JSON/JSONL file is read with ``file_columns`` (default: the hub's); another string (a
+    hub name or dataset folder) takes the hub's config, split and columns. ``split`` and ``config`` override.
     """
     if source is None:
         chosen = hub
@@ -151,27 +141,29 @@ def resolve_source(
     return replace(chosen, **{key: value for key, value in overrides.items() if value is not None})
 
 
-def _line_of_row(path: Path, row: int) -> int:
-    """1-based line of the ``row``-th non-blank line of a JSONL file (the datasets JSON reader skips blank lines)."""
-    seen = -1
+def _rows(path: Path) -> Iterator[tuple[int, str]]:
+    """``(1-based line number, line)`` of each non-blank line of a JSONL file: the rows ``datasets`` reads."""
     with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                seen += 1
-                if seen == row:
-                    return number
-    return row + 1
+        yield from ((number, line) for number, line in enumerate(handle, start=1) if line.strip())
+
+
+def _line_of_row(path: Path, row: int) -> int:
+    """The line number of row ``row`` (0-based) of a JSONL file."""
+    return next(itertools.islice(_rows(path), row, None), (row + 1, ""))[0]
 
 
 def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as err:
-                    return number, str(err)
+    for number, line in _rows(path):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            return number, str(err)
     return None
+
+
+def _where(source: DataSource) -> str:
+    config = f"config {source.config!r}, " if source.config else ""
+    return f"{source.path} ({config}split {source.split!r})"
 
 
 def _read_table(source: DataSource) -> Any:
@@ -207,19 +199,12 @@ def _field_label(source: DataSource, name: str) -> str:
 def load_records(source: DataSource, fields: Mapping[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
     """Rows of a source, keyed by our field names, each checked to have ``fields`` of the given types.
 
-    Args:
-        source: Where to read and which column holds each field.
-        fields: Required field -> accepted type(s). Other columns are dropped.
-
-    Raises:
-        FileNotFoundError: A local path that does not exist.
-        ValueError: Invalid JSON, a missing column or field, or a field of the wrong type, naming the file and
-            line (the row number for a hub dataset or folder).
+    ``fields`` maps each required field to its accepted type(s); other columns are dropped. Invalid JSON, a missing
+    column or field or a wrong type is a :class:`UserError` naming the file and line.
     """
     table = _read_table(source)
     if table.num_rows == 0:
-        config = f"config {source.config!r}, " if source.config else ""
-        raise UserError(f"{source.path} ({config}split {source.split!r}) has no rows")
+        raise UserError(f"{_where(source)} has no rows")
     columns = {name: source.column(name) for name in fields}
     missing = [f"{column!r}" for column in columns.values() if column not in table.column_names]
     if missing:
@@ -245,8 +230,7 @@ def row_location(source: DataSource, index: int) -> str:
     """Where row ``index`` of a source is, for error messages: ``file:line`` for a file, else the row number."""
     if is_file_source(source.path):
         return f"{source.path}:{_line_of_row(Path(source.path), index)}"
-    config = f"config {source.config!r}, " if source.config else ""
-    return f"{source.path} ({config}split {source.split!r}) row {index}"
+    return f"{_where(source)} row {index}"
 
 
 @dataclass(frozen=True)
@@ -260,13 +244,9 @@ class MathProblem:
 
 @dataclass
 class MathTrainSet:
-    r"""The MATH training rows kept, and what was left out.
+    r"""The MATH training ``problems`` kept out of the ``rows`` read, and the indices of those left out.
 
-    Attributes:
-        problems: Rows with an extractable answer, minus the prompt's worked examples.
-        rows: Rows read.
-        no_answer: Row indices whose solution has no complete ``\boxed{}`` (dropped).
-        held_out: Row indices of the prompt's worked examples (excluded from training).
+    ``no_answer``: no complete ``\boxed{}`` in the solution; ``held_out``: the prompt's worked examples.
     """
 
     problems: list[MathProblem]
@@ -278,14 +258,7 @@ class MathTrainSet:
 def load_math_train(
     source: str | DataSource | None = None, split: str | None = None, config: str | None = None
 ) -> MathTrainSet:
-    """Load MATH training problems with references extracted from ``solution`` (see the module docstring).
-
-    Args:
-        source: ``None`` for :data:`MATH_TRAIN_SOURCE` (the hub); a local JSON/JSONL file with ``problem`` and
-            ``solution``; a hub name or dataset folder, read with the hub spec's config, split and columns.
-        split: Overrides the source's split.
-        config: Overrides the source's config.
-    """
+    """MATH training problems with references extracted from ``solution``, from ``source`` (:func:`resolve_source`)."""
     chosen = resolve_source(source, MATH_TRAIN_SOURCE, split=split, config=config)
     rows = load_records(chosen, {"problem": str, "solution": str})
     shots = {ex.problem.strip() for ex in WORKED_EXAMPLES}
@@ -299,15 +272,6 @@ def load_math_train(
         else:
             kept.append(MathProblem(index, row["problem"], answer))
     return MathTrainSet(kept, len(rows), no_answer, held_out)
-
-
-def load_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer object as is, or one loaded from an actor name (``"tiny"``, a hub name or a path)."""
-    if not isinstance(tokenizer, str):
-        return tokenizer
-    from lit_gmc.actor import load_tokenizer as load_actor_tokenizer  # lazy: only needed to truncate prompts
-
-    return load_actor_tokenizer(tokenizer, "--data.task.tokenizer")
 
 
 def make_prompts(
@@ -325,11 +289,8 @@ def make_prompts(
 class MathScorer:
     r"""The paper's reward: the last complete ``\boxed{}`` of a completion, checked by math-verify.
 
-    Args:
-        num_workers: Verifier processes.
-        timeout_s: Wall-clock bound on checking one completion; a slower check scores 0.
-        cut_at_next_problem: Score only the text before an invented next ``Problem:`` line
-            (:func:`answer_region`), a deviation from the paper, which scores the whole completion.
+    ``num_workers`` verifier processes, each check bounded by ``timeout_s`` (a slower one scores 0);
+    ``cut_at_next_problem`` scores only :func:`answer_region`, a deviation from the paper.
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, cut_at_next_problem: bool = False) -> None:

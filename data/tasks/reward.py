@@ -39,10 +39,8 @@ TRL_ANSWER_NAMES = ("answer", "solution")
 def calling_convention(function: Callable, name: str) -> str:
     """``"native"`` for ``f(completions, answer)``, ``"trl"`` for TRL's ``f(prompts=, completions=, **kwargs)``.
 
-    A function that takes ``**kwargs``, or has a parameter only TRL passes (``prompts``, ``solution``,
-    ``completion_ids``), is called as TRL's ``GRPOTrainer`` calls its reward functions: every argument by keyword,
-    each a list with one entry per completion (see :meth:`Reward.trl_arguments`). Any other function must take
-    ``(completions, answer)`` positionally: the completions of one prompt and its reference answer, one string.
+    A function with ``**kwargs`` or a parameter only TRL passes (:data:`TRL_ONLY_NAMES`) is called as TRL's
+    ``GRPOTrainer`` calls one (:meth:`Reward.trl_arguments`); any other must take ``(completions, answer)``.
     """
     try:
         signature = inspect.signature(function)
@@ -82,39 +80,21 @@ def as_messages(completions: Sequence[str]) -> list[list[dict[str, str]]]:
 class Reward:
     """The run's reward function, called one way whatever its form, its result checked before it is used.
 
-    ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion.
-    ``function`` is the task's ``score`` or ``--data.reward``, of either form of :func:`calling_convention`.
+    ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion, for the
+    task's ``score`` or ``--data.reward`` in either form of :func:`calling_convention`. A TRL-style function gets,
+    by keyword, one entry per completion: ``prompts`` and ``completions`` (message lists under
+    ``--data.chat_template``), ``completion_ids`` and the reference as ``answer`` and ``solution``; without
+    ``**kwargs``, only the names it declares.
 
-    A TRL-style function gets what TRL's ``GRPOTrainer`` passes, by keyword, one entry per completion:
-    ``prompts`` (the prompt text; ``[{"role": "user", "content": text}]`` under ``--data.chat_template``),
-    ``completions`` (strings; one-message lists ``[{"role": "assistant", "content": text}]`` under
-    ``--data.chat_template``), ``completion_ids`` (token ids) and the reference answer under ``answer`` and
-    ``solution``. A function without ``**kwargs`` gets only the names it declares. Nothing else TRL passes
-    (``trainer_state``, ``log_extra``, ``log_metric``) exists here.
+    ``None`` is TRL's "skip this example": the completion gets the mean of its group's other rewards, so no
+    advantage (0.0 for a group of ``None``), with one warning. A wrong count or type, a NaN or infinite reward, a
+    call that raises or one past ``timeout_s`` is one :class:`UserError` naming the function (non-finite rewards
+    would make every gradient non-finite). Rewards outside ``[0, 1]`` are used, with one warning. The call runs in
+    a daemon thread, so a hanging reward stops the run.
 
-    A reward of ``None`` is TRL's "skip this example": as in TRL, the completion is left out of its group's baseline
-    and gets no advantage. It is given the mean of the group's other rewards (so the group's mean is that of the
-    rewards given, and its advantage under the group-mean and leave-one-out baselines is 0); a group whose every
-    reward is ``None`` gets 0.0 throughout, a group without signal. The count is said once, in a warning.
-
-    A result that is not one number (or ``None``) per completion raises one :class:`UserError` naming the function
-    and the convention it was called with, and so does a NaN or infinite reward (naming the prompt id too): checked
-    where rewards enter, since one would make every rule's gradient non-finite. Rewards outside ``[0, 1]`` (where
-    ``Task.score`` documents them) are used as they are, with one warning that shows the values.
-
-    A call that raises is one :class:`UserError` naming the function and its error (the traceback stays chained
-    for ``python -X dev``-style debugging). A call that takes longer than ``timeout_s`` is one :class:`UserError`
-    naming the function and the option: the call runs in a daemon thread while the caller waits for it, so a
-    reward that hangs stops the run, and a ``stop`` that turns true (a SIGTERM) ends the wait at once.
-
-    Args:
-        function: The reward function.
-        name: How messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``).
-        chat: Whether prompts are in the chat template (``--data.chat_template``): TRL-style functions then get
-            messages rather than strings.
-        timeout_s: Longest one call may take (``--data.reward_timeout_s``); ``None``: no limit, called in the
-            caller's thread.
-        stop: Polled while waiting; true: the wait ends with :class:`RewardInterrupted`.
+    ``name`` is how messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``); ``chat``
+    says prompts are in the chat template; ``timeout_s`` ``None`` is no limit, the call then made in the caller's
+    thread; a ``stop`` that turns true (a SIGTERM) ends a wait with :class:`RewardInterrupted`.
     """
 
     def __init__(
@@ -167,10 +147,7 @@ class Reward:
         prompt_id: int | None = None,
         completion_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[float]:
-        """One finite float reward per completion of one prompt (``prompt_id`` names it in messages).
-
-        ``prompt`` is the prompt as the task gave it (before a chat template), for TRL-style functions.
-        """
+        """One finite float reward per completion of one prompt; ``prompt`` is the task's text, before any template."""
         completions = list(completions)
         if self.convention == "trl":
             arguments = self.trl_arguments(completions, answer, prompt, completion_ids)

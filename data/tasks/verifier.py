@@ -1,22 +1,15 @@
 r"""The paper's reward: 1 if the last complete ``\boxed{}`` of a response is equivalent to the reference, else 0.
 
-Equivalence is math-verify's (parse both sides to sympy, compare). Two properties matter more than speed:
-
-* **Bounded time from any thread.** math-verify bounds its own work with ``signal.alarm``, which only
-  works in a process's main thread, and cannot interrupt a long C-level computation at all (sympy
-  expanding ``10^{10^{10}}`` into an integer). So every check runs in a separate worker process, in that
-  process's main thread where math-verify's alarms work, and the caller waits on a pipe with a hard
-  deadline; a worker that misses it is killed and replaced, and the response scores 0.
-* **Never raises on model output.** Extraction is our linear-time brace matcher; anything math-verify
-  throws, and any crash of a worker (memory is capped per worker), is a reward of 0. Only a worker that
-  cannot start at all (a broken install) raises, because silently scoring every response 0 would be worse.
-
-This module imports only the standard library and ``lit_gmc.data.tasks.answers`` (never torch or transformers),
-and runs as the worker itself: ``python -m lit_gmc.data.tasks.verifier --serve``.
+Equivalence is math-verify's, checked in a worker process's main thread (where its ``signal.alarm`` works) while
+the caller waits with a hard deadline, since no alarm stops a long C-level computation (sympy expanding
+``10^{10^{10}}``): a late worker is killed and scores 0, as does any error or crash on model output. Only a worker
+that cannot start raises (scoring every response 0 would be worse). This module, which imports only the standard
+library and ``answers``, is the worker: ``python -m lit_gmc.data.tasks.verifier --serve``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -98,10 +91,7 @@ class _Worker:
             )
 
     def _read(self, timeout: float) -> tuple[str, object]:
-        """The next reply as ``(outcome, reply)``.
-
-        Outcome ``"ok"``; ``"timeout"`` if the worker is silent past ``timeout``; ``"crash"`` if its pipe closed.
-        """
+        """The next reply as ``(outcome, reply)``, outcome ``"ok"``, ``"timeout"`` (silent too long) or ``"crash"``."""
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
         if not ready:
             return "timeout", None
@@ -131,10 +121,8 @@ class _Worker:
             self.process.kill()
             self.process.wait()
             for pipe in (self.process.stdin, self.process.stdout):
-                try:
+                with contextlib.suppress(OSError):  # closing a pipe to a killed process may fail to flush
                     pipe.close()
-                except OSError:  # closing a pipe to a killed process may fail to flush
-                    pass
             self.process = None
 
 
