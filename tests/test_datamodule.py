@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from run_helpers import tiny_data
 
 from lit_gmc.data.engines.recompute import BehaviorRecompute
@@ -40,6 +41,20 @@ def test_the_training_stream_is_sized_stateful_and_yields_every_update():
         batches = list(stream)  # the schedule's batches, then the end of the epoch
         assert len(batches) == 3 and all(b.rewards.shape == (4,) for b in batches)
         assert list(dm.train_dataloader()) == []  # the schedule is exhausted: a new stream yields nothing
+    finally:
+        dm.teardown("fit")
+
+
+def test_each_launch_samples_with_its_own_seed_and_a_replayed_launch_samples_alike():
+    """The sampling seed is a function of the launch id: a resumed run replays a launch, two launches differ."""
+    dm = tiny_data(0, group_size=4, batch_prompts=2, max_new_tokens=6, total_updates=2)
+    dm.setup("fit")
+    try:
+        prompts = dm.stream.take(2)
+        first, again, other = (dm._generate(launch_id, prompts) for launch_id in (3, 3, 4))
+        responses = [[g.response_ids for g in batch] for batch in (first, again, other)]
+        assert all(torch.equal(a, b) for a, b in zip(responses[0], responses[1], strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(responses[0], responses[2], strict=True))
     finally:
         dm.teardown("fit")
 
