@@ -4,6 +4,7 @@
     python scripts/mutate.py gmc-cap tic-cap # only these entries
     python scripts/mutate.py gmc-cap --full  # one entry against the whole suite (pytest -x)
     python scripts/mutate.py --check         # only check that every text is found exactly once (no pytest)
+    python scripts/mutate.py --since main    # only entries whose file or tests differ from main's
 
 The repository's files (``git ls-files``, untracked ones included) are copied once into a temporary folder, beside
 a link to ``../shared`` when the repository has one; the real tree is never written. First a control run of the
@@ -201,12 +202,26 @@ def run(mutations: list[Mutation], args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def touched(m: Mutation, changed: set[str]) -> bool:
+    """Whether ``m``'s file or one of its test files is among ``changed`` (paths relative to the repository)."""
+    return m.file in changed or any(node.split("::")[0] in changed for node in m.tests)
+
+
+def changed_since(ref: str) -> set[str]:
+    """Files that differ between ``ref`` and the work tree, untracked ones included."""
+    diff = subprocess.run(["git", "diff", "--name-only", ref], cwd=REPO, check=True, capture_output=True, text=True)
+    new = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=REPO, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return set((diff.stdout + new.stdout).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", nargs="*", help="entries to run (default: all)")
     parser.add_argument("--list", type=Path, default=LIST, help="the list of deliberate bugs (TOML)")
     parser.add_argument("--check", action="store_true", help="only check that every text is found exactly once")
     parser.add_argument("--full", action="store_true", help="run the whole suite (pytest -x) for each entry given")
+    parser.add_argument("--since", metavar="REF", help="only entries whose file or tests differ from git REF")
     parser.add_argument("--no-control", action="store_true", help="skip the control run on the unchanged code")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run (default 600)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
@@ -217,7 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no entry {', '.join(unknown)} in {args.list}")
     if args.full and len(args.ids) != 1:
         parser.error("--full runs the whole suite: give exactly one entry id")
-    return run([m for m in mutations if not args.ids or m.id in args.ids], args)
+    chosen = [m for m in mutations if not args.ids or m.id in args.ids]
+    if args.since:
+        changed = changed_since(args.since)
+        chosen = [m for m in chosen if touched(m, changed)]
+        print(f"--since {args.since}: {len(chosen)} of {len(mutations)} entries touch a changed file", flush=True)
+        if not chosen:
+            return 0
+    return run(chosen, args)
 
 
 if __name__ == "__main__":

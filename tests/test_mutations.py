@@ -51,3 +51,10 @@ def test_a_text_that_is_missing_or_repeated_is_refused(tmp_path):
                                                 old="x")) == [
         "tests/test_mutations.py::test_nothing: no function test_nothing in tests/test_mutations.py"
     ]  # fmt: skip
+
+
+def test_since_picks_the_entries_whose_file_or_tests_changed():
+    entry = mutate.Mutation(id="e", bug="b", file="lit_gmc/objectives.py", old="a", new="b",
+                            tests=("tests/test_objectives.py::test_x",))  # fmt: skip
+    assert mutate.touched(entry, {"lit_gmc/objectives.py"}) and mutate.touched(entry, {"tests/test_objectives.py"})
+    assert not mutate.touched(entry, {"lit_gmc/batch.py", "tests/test_collate.py"})
