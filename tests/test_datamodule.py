@@ -59,6 +59,23 @@ def test_each_launch_samples_with_its_own_seed_and_a_replayed_launch_samples_ali
         dm.teardown("fit")
 
 
+def test_a_restored_datamodule_launches_next_what_the_original_launches_next():
+    """Resume's data side: the launch id, prompts and samples after a state round trip are those of the original."""
+    modules = [tiny_data(0, group_size=2, batch_prompts=2, max_new_tokens=4, total_updates=4) for _ in range(2)]
+    original, restored = modules
+    for dm in modules:
+        dm.setup("fit")
+    try:
+        original.next_batch()
+        restored.load_state_dict(original.state_dict())
+        ahead, resumed = original.next_batch(), restored.next_batch()
+        assert ahead.info["batch_id"] == resumed.info["batch_id"] == 1.0
+        assert torch.equal(ahead.prompt_ids, resumed.prompt_ids) and torch.equal(ahead.input_ids, resumed.input_ids)
+    finally:
+        for dm in modules:
+            dm.teardown("fit")
+
+
 def test_the_prompt_budget_keeps_each_prompt_s_last_tokens_and_says_how_many_it_cut(char_tokenizer):
     from lit_gmc.data.datamodule import within_budget
     from lit_gmc.data.tasks.base import Prompt
