@@ -163,7 +163,7 @@ def run(mutations: list[Mutation], args: argparse.Namespace) -> int:
         else:
             runnable.append(m)
     if args.check:
-        rows += [(m, "text found once", "", 0.0) for m in runnable]
+        rows += [(m, "fits", "", 0.0) for m in runnable]
         runnable = []
     with tempfile.TemporaryDirectory(prefix="lit_gmc-mutate-") as tmp:
         copy = copy_tree(Path(tmp)) if runnable else None
@@ -192,13 +192,15 @@ def run(mutations: list[Mutation], args: argparse.Namespace) -> int:
             bad += result != "caught"
             rows.append((m, result, detail, seconds))
             print(f"{m.id}: {result} ({seconds:.0f} s) {detail}", flush=True)
+    order = {m.id: n for n, m in enumerate(mutations)}
+    rows.sort(key=lambda row: order[row[0].id])
     print()
     print("| id | file | result | caught by / problem | s |")
     print("|---|---|---|---|---|")
     for m, result, detail, seconds in rows:
         print(f"| {m.id} | {m.file} | {result} | {detail.replace('|', '/')} | {seconds:.0f} |")
-    good = sum(result in ("caught", "text found once") for _, result, _, _ in rows)
-    print(f"\n{good}/{len(mutations)} {'texts found exactly once' if args.check else 'caught'}")
+    good = sum(result in ("caught", "fits") for _, result, _, _ in rows)
+    print(f"\n{good}/{len(mutations)} {'fit the code (text found once, tests present)' if args.check else 'caught'}")
     return 1 if bad else 0
 
 
