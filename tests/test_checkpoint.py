@@ -33,6 +33,25 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"], "a temporary file was left behind"
 
 
+def test_the_bytes_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    """A rename that lands before the data would leave, after a power cut, a complete name over incomplete bytes."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(source, target):
+        events.append(("replace", os.path.basename(source), os.path.basename(target)))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, tmp_path / "last.ckpt")
+    assert [e[0] for e in events] == ["fsync", "replace"], events
+    assert events[0][1] == events[1][1] != "last.ckpt" and events[1][2] == "last.ckpt", events
+
+
 def test_save_replaces_and_creates_folders(tmp_path):
     io = AtomicCheckpointIO()
     path = tmp_path / "a" / "b" / "x.ckpt"

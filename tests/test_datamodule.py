@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from run_helpers import tiny_data
 
 from lit_gmc.data.engines.recompute import BehaviorRecompute
@@ -42,6 +43,37 @@ def test_the_training_stream_is_sized_stateful_and_yields_every_update():
         assert list(dm.train_dataloader()) == []  # the schedule is exhausted: a new stream yields nothing
     finally:
         dm.teardown("fit")
+
+
+def test_each_launch_samples_with_its_own_seed_and_a_replayed_launch_samples_alike():
+    """The sampling seed is a function of the launch id: a resumed run replays a launch, two launches differ."""
+    dm = tiny_data(0, group_size=4, batch_prompts=2, max_new_tokens=6, total_updates=2)
+    dm.setup("fit")
+    try:
+        prompts = dm.stream.take(2)
+        first, again, other = (dm._generate(launch_id, prompts) for launch_id in (3, 3, 4))
+        responses = [[g.response_ids for g in batch] for batch in (first, again, other)]
+        assert all(torch.equal(a, b) for a, b in zip(responses[0], responses[1], strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(responses[0], responses[2], strict=True))
+    finally:
+        dm.teardown("fit")
+
+
+def test_a_restored_datamodule_launches_next_what_the_original_launches_next():
+    """Resume's data side: the launch id, prompts and samples after a state round trip are those of the original."""
+    modules = [tiny_data(0, group_size=2, batch_prompts=2, max_new_tokens=4, total_updates=4) for _ in range(2)]
+    original, restored = modules
+    for dm in modules:
+        dm.setup("fit")
+    try:
+        original.next_batch()
+        restored.load_state_dict(original.state_dict())
+        ahead, resumed = original.next_batch(), restored.next_batch()
+        assert ahead.info["batch_id"] == resumed.info["batch_id"] == 1.0
+        assert torch.equal(ahead.prompt_ids, resumed.prompt_ids) and torch.equal(ahead.input_ids, resumed.input_ids)
+    finally:
+        for dm in modules:
+            dm.teardown("fit")
 
 
 def test_the_prompt_budget_keeps_each_prompt_s_last_tokens_and_says_how_many_it_cut(char_tokenizer):

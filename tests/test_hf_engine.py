@@ -133,6 +133,15 @@ def test_engine_batches_large_requests_without_changing_groups(tiny_model, char_
     torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask], lp[batch.response_mask], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("batch_rows", [4, 64])
+def test_one_prompt_twice_in_a_launch_gets_two_samples_whatever_the_chunking(tiny_model, char_tokenizer, batch_rows):
+    """Each generate call of a launch has its own noise: a chunk never replays the sampling of the chunk before."""
+    engine = HFEngine.from_model(tiny_model, char_tokenizer, batch_rows=batch_rows)
+    twice = [Prompt(0, "40+23=", "63"), Prompt(1, "40+23=", "63")]
+    first, second = engine.generate(twice, 4, SamplingParams(max_new_tokens=8, seed=5))
+    assert not torch.equal(first.response_ids, second.response_ids)
+
+
 @pytest.mark.parametrize("vocab", [46, 5000])
 def test_sampled_logprobs_are_the_same_for_every_chunk_of_positions(vocab):
     """Each position's log-softmax of the processed scores (-inf where top-p filtered) at the sampled token, whether

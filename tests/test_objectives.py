@@ -138,6 +138,12 @@ def test_tic_drops_exactly_the_trajectories_above_the_cap():
     torch.testing.assert_close(coef, torch.tensor([0.5, 1.28, 0.0, 0.0]))
 
 
+def test_tic_keeps_a_trajectory_exactly_at_the_cap():
+    """Eq. 35's indicator is ``rho <= 1 + eps``: a ratio equal to the cap is kept (float64, no rounding in between)."""
+    at_cap = torch.tensor([math.log1p(0.28)], dtype=torch.float64)
+    assert O.tic_coefficients(at_cap, 0.28).item() == pytest.approx(1.28, rel=1e-15)
+
+
 def test_tic_does_not_look_at_the_advantage_sign():
     """Remark 1: the indicator depends on rho only (unlike PPO's asymmetric clip)."""
     g = 4

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import textwrap
+import threading
+import time
 import warnings
 
 import pytest
@@ -65,6 +67,27 @@ def test_the_convention_follows_the_parameter_names_and_kwargs():
     assert Reward(solution_only, "s")(["5", "6"], "5") == [1.0, 0.0]
     assert Reward(native, "n").convention == "native"
     assert Reward(lambda completions, answer, **kwargs: [0.0] * len(completions), "k").convention == "trl"
+
+
+def test_a_reward_slower_than_its_time_limit_is_stopped_at_the_limit_not_later():
+    """A reward that would return after 120 s, under a 0.5 s limit, is one error long before it would return.
+
+    The bound, 20 times the limit, only tells a wait that honours the limit from one that does not (a limit read in
+    other units, or none); it measures nothing.
+    """
+    release = threading.Event()
+
+    def slow(completions, answer):
+        release.wait(120.0)
+        return [0.0] * len(completions)
+
+    began = time.monotonic()
+    try:
+        with pytest.raises(UserError, match=r"^reward slow did not return within 0.5 s on prompt 7 "):
+            Reward(slow, "slow", timeout_s=0.5)(["5"], "5", prompt_id=7)
+    finally:
+        release.set()
+    assert time.monotonic() - began < 10.0
 
 
 def test_a_wrong_count_names_the_convention_it_was_called_with():
