@@ -49,6 +49,7 @@ SERVER_LINE = re.compile(
     r"([\d.]+) s, load_weights ([\d.]+) s\), finalize ([\d.]+) s"
 )
 MAX_MODEL_LEN = 256
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def qwen3_config(size: str):
@@ -114,26 +115,40 @@ class PeakMemory:
         self._thread.join()
 
 
-def rss_bytes() -> int:
-    """This process's resident memory."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
-def tree_rss(root) -> Callable[[], int]:
-    """Resident memory of a process and all its descendants (a ``vllm serve`` and its engine core)."""
+def tree(root: int) -> dict[str, int]:
+    """The pids of a process and its descendants (a ``vllm serve``, its engine core, its worker), by name."""
     import psutil
 
-    def rss() -> int:
-        total = 0
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                total += process.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
+    processes = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    return {f"{p.name()} {p.pid}": p.pid for p in processes}
 
-    return rss
+
+def tree_rss(pids: list[int]) -> Callable[[], int]:
+    """Resident memory of these processes together. The tree is resolved once, before the sync: walking every
+    process of the machine every 2 ms (psutil's ``children``) took CPU from the sync it measured."""
+    return lambda: sum(rss_bytes(pid) for pid in pids)
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        try:
+            out[name] = sum(psutil.Process(pid).cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            out[name] = 0.0
+    return out
 
 
 def server_line(log: Path, count: int, timeout: float = 60) -> dict[str, float]:
@@ -151,8 +166,6 @@ def server_line(log: Path, count: int, timeout: float = 60) -> dict[str, float]:
 
 def measure_serve(size: str, folder: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
     """The subject: syncs through ``VLLMServers`` into one launched ``vllm serve``; per-sync records to ``out``."""
-    import psutil
-
     from lit_gmc.data.engines.vllm_serve import VLLMServers
 
     weights = random_weights(size, getattr(torch, learner_dtype), seed=1)
@@ -160,20 +173,27 @@ def measure_serve(size: str, folder: str, bucket_bytes: int, repeats: int, learn
                          startup_timeout_s=1200, server_args=["--disable-log-stats"])  # fmt: skip
     engine.start(folder)
     try:
-        probes = {"learner": rss_bytes, "server": tree_rss(psutil.Process(engine.processes[0].pid))}
+        server = tree(engine.processes[0].pid)
+        probes = {"learner": rss_bytes, "server": tree_rss(list(server.values()))}
         base = {name: probe() for name, probe in probes.items()}
         records = []
         for k in range(repeats + 1):
+            cpu = cpu_seconds({"learner": os.getpid(), **server})
             with PeakMemory(probes) as memory:
                 began = time.perf_counter()
                 engine.load_weights(iter(weights.items()), k + 1)
                 wall = time.perf_counter() - began
+            cpu = {name: used - cpu[name] for name, used in cpu_seconds({"learner": os.getpid(), **server}).items()}
             sent = engine.transfer.sender.times
-            server = server_line(engine.logs[0], k + 1)
             records.append({"wall_s": wall, "copy_s": sent.copy_s, "sender_wait_s": sent.wait_s,
-                            "calls_s": sent.calls_s, "start_s": sent.start_s, "finish_s": sent.finish_s,
-                            "bytes": sent.bytes, "learner_extra": memory.peak["learner"] - base["learner"],
-                            "server_extra": memory.peak["server"] - base["server"], **server})  # fmt: skip
+                            "calls_s": sent.calls_s, "calls": sent.calls, "start_s": sent.start_s,
+                            "finish_s": sent.finish_s, "bytes": sent.bytes,
+                            "learner_extra": memory.peak["learner"] - base["learner"],
+                            "learner_after": rss_bytes() - base["learner"],
+                            "server_extra": memory.peak["server"] - base["server"],
+                            "cpu_learner_s": cpu.pop("learner"), "cpu_server_s": sum(cpu.values()),
+                            **{f"cpu {name}": used for name, used in cpu.items()},
+                            **server_line(engine.logs[0], k + 1)})  # fmt: skip
     finally:
         engine.close()
     out.send(records)
@@ -199,13 +219,16 @@ def measure_transport(size: str, repeats: int, out) -> None:
     process = mp.get_context("spawn").Process(target=floor_receiver, args=(port, flat.numel(), repeats))
     process.start()
     _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
-    times = []
+    records, ends = [], {"sender": os.getpid(), "receiver": process.pid}
     for _ in range(repeats + 1):
+        cpu = cpu_seconds(ends)
         began = time.perf_counter()
         group.broadcast(flat, 0).wait()
-        times.append(time.perf_counter() - began)
+        wall = time.perf_counter() - began
+        time.sleep(0.2)  # the receiver's last copy out of its socket may finish just after the sender's
+        records.append({"wall_s": wall, "cpu_s": sum(cpu_seconds(ends).values()) - sum(cpu.values())})
     process.join()
-    out.send([{"wall_s": t} for t in times])
+    out.send(records)
 
 
 def measure_load(size: str, folder: str, repeats: int, out) -> None:
@@ -215,27 +238,29 @@ def measure_load(size: str, folder: str, repeats: int, out) -> None:
     engine = VLLMEngine(dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
     engine.start(folder)
     named = list(with_tied_head(random_weights(size, torch.bfloat16, 1).items(), tied=True))
-    times = []
+    records, processes = [], tree(os.getpid())
     try:
         for _ in range(repeats + 1):
+            cpu = cpu_seconds(processes)
             began = time.perf_counter()
             engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-            times.append(time.perf_counter() - began)
+            wall = time.perf_counter() - began
+            records.append({"wall_s": wall, "cpu_s": sum(cpu_seconds(processes).values()) - sum(cpu.values())})
     finally:
         engine.close()
-    out.send([{"wall_s": t} for t in times])
+    out.send(records)
 
 
 def stand_in_receiver(size: str, port: int, conn) -> None:
-    """The stand-in's receiving process: its own copy of the weights, updated as ``receive_bucket`` completes them."""
-    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
+    """The stand-in's receiving process: its own copy of the weights, updated as ``receive_update`` completes them."""
+    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_update
 
     weights = random_weights(size, torch.bfloat16, 0)
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
     partial: dict = {}
     while (message := conn.recv()) != "stop":
         if isinstance(message, dict):
-            receive_bucket(group, GlooUpdateInfo(**message), partial,
+            receive_update(group, GlooUpdateInfo(**message), partial,
                            lambda named: [weights[name].copy_(t) for name, t in named])  # fmt: skip
         conn.send("done")
 
@@ -328,10 +353,21 @@ def report(size: str, bucket_mib: int, runs: dict[str, list[dict]]) -> None:
             f"| {stand_in[0] / floor:.2f} | {shown(spread(runs['stand-in'], 'learner_extra', mib), 0)} | - |"
         )
     for record in serve:
-        record["http_per_bucket_ms"] = 1000 * (record["calls_s"] - record["bucket_s"]) / record["buckets"]
+        record["http_per_call_ms"] = 1000 * (record["calls_s"] - record["bucket_s"]) / record["calls"]
         record["other_s"] = record["wall_s"] - record["start_s"] - record["copy_s"] - record["sender_wait_s"] - (
             record["finish_s"])  # fmt: skip
-    print(f"\nwhere a sync into vllm serve goes ({int(serve[0]['buckets'])} buckets), s unless named:")
+        record["cpu_s"] = record["cpu_learner_s"] + record["cpu_server_s"]
+    floor_cpu = spread(runs["transport"], "cpu_s")[0] + spread(runs["load"], "cpu_s")[0]
+    print(f"\nCPU seconds (user + system, every process involved; what contention does not inflate as it does wall "
+          f"time): floor {floor_cpu:.2f} = transport {shown(spread(runs['transport'], 'cpu_s'))} + load "
+          f"{shown(spread(runs['load'], 'cpu_s'))}; serve {shown(spread(serve, 'cpu_s'))} = learner "
+          f"{shown(spread(serve, 'cpu_learner_s'))} + server {shown(spread(serve, 'cpu_server_s'))} "
+          f"({', '.join(f'{k[4:]} {spread(serve, k)[0]:.2f}' for k in serve[0] if k.startswith('cpu '))}); "
+          f"x floor {spread(serve, 'cpu_s')[0] / floor_cpu:.2f}")  # fmt: skip
+    print(f"learner resident memory after each sync, above its level before the first: "
+          f"{shown(spread(serve, 'learner_after', mib), 0)} MiB")  # fmt: skip
+    print(f"\nwhere a sync into vllm serve goes ({int(serve[0]['buckets'])} buckets, {int(serve[0]['calls'])} "
+          "/update_weights call), s unless named:")  # fmt: skip
     print("| side | part | median [min-max] |")
     print("|---|---|---|")
     rows = [
@@ -345,7 +381,7 @@ def report(size: str, bucket_mib: int, runs: dict[str, list[dict]]) -> None:
         ("server", "  waiting for bytes (transport, the learner's pace)", "wait_s"),
         ("server", "  vLLM's load_weights (layerwise processing included)", "load_s"),
         ("server", "finalize of the layerwise reload", "finalize_s"),
-        ("both", "HTTP round trip per bucket, ms (call less the server's handling)", "http_per_bucket_ms"),
+        ("both", "HTTP round trip per call, ms (call less the server's handling)", "http_per_call_ms"),
     ]
     for side, part, key in rows:
         print(f"| {side} | {part} | {shown(spread(serve, key), 3)} |")
