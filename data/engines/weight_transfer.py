@@ -197,8 +197,15 @@ def receive_update(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
     if not info.in_band:
         receive_bucket(group, info, partial, load, times)
         return [info]
+    times = times if times is not None else ReceiveTimes()
     buckets, failure = [], None
-    while (bucket := receive_announcement(group)) is not None:
+    while True:
+        waited = time.perf_counter()
+        bucket = receive_announcement(group)  # waits for the trainer to fill the bucket: counted as waiting
+        times.wait_s += time.perf_counter() - waited
+        times.bucket_s += time.perf_counter() - waited
+        if bucket is None:
+            break
         buckets.append(bucket)
         try:
             receive_bucket(group, bucket, partial, load if failure is None else _drop, times)
