@@ -20,6 +20,7 @@ first; peak extra memory is resident memory above its level just before each syn
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -27,7 +28,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,6 +69,18 @@ def random_weights(size: str, dtype: torch.dtype, seed: int) -> dict[str, torch.
         shapes = {name: p.shape for name, p in Qwen3ForCausalLM(qwen3_config(size)).named_parameters()}
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=generator, dtype=dtype) * 0.02 for name, shape in shapes.items()}
+
+
+def pooled_weights(size: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """The parameters' shapes as views of one random buffer the size of the largest: every tensor is still read,
+    cast and sent, in 1.2 GB rather than 6.9 GB of fp32 at 1.7B (beside a server, on a machine of 24 GB)."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Qwen3ForCausalLM(qwen3_config(size)).named_parameters()}
+    pool = torch.randn(max(s.numel() for s in shapes.values()), generator=torch.Generator().manual_seed(seed))
+    pool = (pool * 0.02).to(dtype)
+    return {name: pool[: shape.numel()].view(shape) for name, shape in shapes.items()}
 
 
 def save_checkpoint(size: str, folder: Path) -> None:
@@ -156,11 +169,11 @@ def server_line(log: Path, count: int, timeout: float = 60) -> dict[str, float]:
     raise TimeoutError(f"no weight-update line {count} in {log}")
 
 
-def measure_serve(size: str, folder: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
-    """The subject: syncs through ``VLLMServers`` into one launched ``vllm serve``; per-sync records to ``out``."""
+def measure_serve(size: str, folder: str, bucket_bytes: int, learner_dtype: str, pooled: bool) -> Iterator[dict]:
+    """The subject: syncs through ``VLLMServers`` into one launched ``vllm serve``, one record per sync."""
     from lit_gmc.data.engines.vllm_serve import VLLMServers
 
-    weights = random_weights(size, getattr(torch, learner_dtype), seed=1)
+    weights = (pooled_weights if pooled else random_weights)(size, getattr(torch, learner_dtype), seed=1)
     engine = VLLMServers(launch=1, bucket_bytes=bucket_bytes, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
                          startup_timeout_s=1200, server_args=["--disable-log-stats"])  # fmt: skip
     engine.start(folder)
@@ -168,29 +181,26 @@ def measure_serve(size: str, folder: str, bucket_bytes: int, repeats: int, learn
         server = tree(engine.processes[0].pid)
         probes = {"learner": rss_bytes, "server": tree_rss(list(server.values()))}
         base = {name: probe() for name, probe in probes.items()}
-        records = []
-        for k in range(repeats + 1):
+        for k in itertools.count():
             cpu = cpu_seconds({"learner": os.getpid(), **server})
-            before = rss_bytes()
+            before = {name: probe() for name, probe in probes.items()}
             with PeakMemory(probes) as memory:
                 began = time.perf_counter()
                 engine.load_weights(iter(weights.items()), k + 1)
                 wall = time.perf_counter() - began
             cpu = {name: used - cpu[name] for name, used in cpu_seconds({"learner": os.getpid(), **server}).items()}
             sent = engine.transfer.sender.times
-            records.append({"wall_s": wall, "copy_s": sent.copy_s, "sender_wait_s": sent.wait_s,
-                            "calls_s": sent.calls_s, "calls": sent.calls, "start_s": sent.start_s,
-                            "finish_s": sent.finish_s, "bytes": sent.bytes,
-                            "learner_extra": memory.peak["learner"] - before,
-                            "learner_above_first": memory.peak["learner"] - base["learner"],
-                            "learner_after": rss_bytes() - base["learner"],
-                            "server_extra": memory.peak["server"] - base["server"],
-                            "cpu_learner_s": cpu.pop("learner"), "cpu_server_s": sum(cpu.values()),
-                            **{f"cpu {name}": used for name, used in cpu.items()},
-                            **server_line(engine.logs[0], k + 1)})  # fmt: skip
+            yield {"wall_s": wall, "copy_s": sent.copy_s, "sender_wait_s": sent.wait_s, "calls_s": sent.calls_s,
+                   "calls": sent.calls, "start_s": sent.start_s, "finish_s": sent.finish_s, "bytes": sent.bytes,
+                   "learner_extra": memory.peak["learner"] - before["learner"],
+                   "learner_above_first": memory.peak["learner"] - base["learner"],
+                   "learner_after": rss_bytes() - base["learner"],
+                   "server_extra": memory.peak["server"] - before["server"],
+                   "cpu_learner_s": cpu.pop("learner"), "cpu_server_s": sum(cpu.values()),
+                   **{f"cpu {name}": used for name, used in cpu.items()},
+                   **server_line(engine.logs[0], k + 1)}  # fmt: skip
     finally:
         engine.close()
-    out.send(records)
 
 
 def floor_receiver(port: int, total: int, repeats: int) -> None:
@@ -203,46 +213,50 @@ def floor_receiver(port: int, total: int, repeats: int) -> None:
         group.broadcast(buffer, 0).wait()
 
 
-def measure_transport(size: str, repeats: int, out) -> None:
+def measure_transport(size: str, repeats: int) -> Iterator[dict]:
     """The floor's transport: one gloo broadcast of the model's bf16 bytes as one buffer, per sync."""
     from lit_gmc.data.engines.vllm_serve import free_port
     from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
-    flat = torch.cat([t.view(-1).view(torch.uint8) for t in random_weights(size, torch.bfloat16, 1).values()])
+    weights = random_weights(size, torch.bfloat16, 1)
+    flat = torch.empty(sum(t.numel() * 2 for t in weights.values()), dtype=torch.uint8)
+    offset = 0
+    while weights:  # moved into one buffer tensor by tensor: at 1.7B, two copies beside the receiver's exhaust RAM
+        raw = weights.pop(next(iter(weights))).view(-1).view(torch.uint8)
+        flat[offset : offset + raw.numel()] = raw
+        offset += raw.numel()
     port = free_port()
     process = mp.get_context("spawn").Process(target=floor_receiver, args=(port, flat.numel(), repeats))
     process.start()
     _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
-    records, ends = [], {"sender": os.getpid(), "receiver": process.pid}
+    ends = {"sender": os.getpid(), "receiver": process.pid}
     for _ in range(repeats + 1):
         cpu = cpu_seconds(ends)
         began = time.perf_counter()
         group.broadcast(flat, 0).wait()
         wall = time.perf_counter() - began
         time.sleep(0.2)  # the receiver's last copy out of its socket may finish just after the sender's
-        records.append({"wall_s": wall, "cpu_s": sum(cpu_seconds(ends).values()) - sum(cpu.values())})
+        yield {"wall_s": wall, "cpu_s": sum(cpu_seconds(ends).values()) - sum(cpu.values())}
     process.join()
-    out.send(records)
 
 
-def measure_load(size: str, folder: str, repeats: int, out) -> None:
+def measure_load(size: str, folder: str) -> Iterator[dict]:
     """The floor's load: vLLM's own in-process ``reload_weights`` of the same bf16 tensors, held in memory."""
     from lit_gmc.data.engines.vllm import VLLMEngine, with_tied_head
 
     engine = VLLMEngine(dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
     engine.start(folder)
     named = list(with_tied_head(random_weights(size, torch.bfloat16, 1).items(), tied=True))
-    records, processes = [], tree(os.getpid())
+    processes = tree(os.getpid())
     try:
-        for _ in range(repeats + 1):
+        while True:
             cpu = cpu_seconds(processes)
             began = time.perf_counter()
             engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
             wall = time.perf_counter() - began
-            records.append({"wall_s": wall, "cpu_s": sum(cpu_seconds(processes).values()) - sum(cpu.values())})
+            yield {"wall_s": wall, "cpu_s": sum(cpu_seconds(processes).values()) - sum(cpu.values())}
     finally:
         engine.close()
-    out.send(records)
 
 
 def stand_in_receiver(size: str, port: int, conn) -> None:
@@ -279,7 +293,7 @@ class PipeClient:
         self._call("finish")
 
 
-def measure_stand_in(size: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
+def measure_stand_in(size: str, bucket_bytes: int, learner_dtype: str) -> Iterator[dict]:
     """A lower bound: ``BucketSender`` into a plain process that receives and copies, no vLLM and no HTTP."""
     from lit_gmc.data.engines.vllm_serve import free_port
     from lit_gmc.data.engines.weight_transfer import BucketSender, open_gloo_group
@@ -290,26 +304,44 @@ def measure_stand_in(size: str, bucket_bytes: int, repeats: int, learner_dtype: 
     process.start()
     _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
     sender = BucketSender(PipeClient(parent), lambda t: group.broadcast(t, 0), bucket_bytes, torch.bfloat16)
-    records, base = [], rss_bytes()
-    for _ in range(repeats + 1):
-        with PeakMemory({"learner": rss_bytes}) as memory:
-            began = time.perf_counter()
-            sender.send(iter(weights.items()))
-            records.append({"wall_s": time.perf_counter() - began, "learner_extra": memory.peak["learner"] - base})
-    parent.send("stop")
-    process.join()
-    out.send(records)
+    try:
+        while True:
+            before = rss_bytes()
+            with PeakMemory({"learner": rss_bytes}) as memory:
+                began = time.perf_counter()
+                sender.send(iter(weights.items()))
+                yield {"wall_s": time.perf_counter() - began, "learner_extra": memory.peak["learner"] - before}
+    finally:
+        parent.send("stop")
+        process.join()
 
 
-def in_fresh_process(target, *args) -> list[dict]:
-    """Run ``target(*args, out)`` in a spawned process and return what it sends."""
-    context = mp.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(target=target, args=(*args, child))
-    process.start()
-    records = parent.recv()
-    process.join()
-    return records
+def serve_records(target, args, conn) -> None:
+    """In a spawned process: one record of ``target(*args)`` (a generator) per ``"go"`` received, until ``"stop"``."""
+    records = target(*args)
+    while conn.recv() == "go":
+        conn.send(next(records))
+    records.close()  # its cleanup: servers stopped, receivers joined
+
+
+class Measured:
+    """One measurement (``transport``, ``load``, ``serve``, ``stand-in``) in a fresh process, one record per call."""
+
+    def __init__(self, target, *args) -> None:
+        context = mp.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=serve_records, args=(target, args, child))
+        self.process.start()
+        self.records: list[dict] = []
+
+    def once(self) -> None:
+        self.conn.send("go")
+        self.records.append(self.conn.recv())
+
+    def close(self) -> list[dict]:
+        self.conn.send("stop")
+        self.process.join()
+        return self.records
 
 
 def spread(records: list[dict], key: str, scale: float = 1.0) -> tuple[float, float, float]:
@@ -383,12 +415,38 @@ def report(size: str, bucket_mib: int, runs: dict[str, list[dict]]) -> None:
         print(f"| {side} | {part} | {shown(spread(serve, key), 3)} |")
 
 
+def measure(plans: dict[str, tuple], count: int, interleave: bool) -> dict[str, list[dict]]:
+    """``count`` records of each plan: one plan after another, or with ``interleave`` all at once, round by round,
+    so that the floor's parts and the sync of one round see the same load of a shared machine."""
+    if not interleave:
+        runs = {}
+        for name, plan in plans.items():
+            measured = Measured(*plan)
+            for _ in range(count):
+                measured.once()
+            runs[name] = measured.close()
+        return runs
+    measured = {name: Measured(*plan) for name, plan in plans.items()}
+    for _ in range(count):
+        for each in measured.values():
+            each.once()
+    return {name: each.close() for name, each in measured.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["0.6B"], choices=sorted(SHAPES))
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="syncs measured after the first")
     parser.add_argument("--stand-in", action="store_true", help="also the plain-receiver lower bound")
+    parser.add_argument(
+        "--pooled-masters",
+        action="store_true",
+        help="the learner's tensors are views of one buffer (the same work, a sixth of the memory)",
+    )
+    parser.add_argument("--interleave", action="store_true",
+                        help="keep every measurement's process alive and take one record of each per round (several "
+                             "GB more at once: 0.6B only on a small machine)")  # fmt: skip
     parser.add_argument(
         "--learner-dtype",
         default="float32",
@@ -402,13 +460,14 @@ def main() -> None:
     for size in args.models:
         with tempfile.TemporaryDirectory(prefix=f"lit_gmc_weight_sync_{size}_") as folder:
             save_checkpoint(size, Path(folder))
-            runs = {
-                "transport": in_fresh_process(measure_transport, size, args.repeats),
-                "load": in_fresh_process(measure_load, size, folder, args.repeats),
-                "serve": in_fresh_process(measure_serve, size, folder, bucket, args.repeats, args.learner_dtype),
+            plans = {
+                "transport": (measure_transport, size, args.repeats),
+                "load": (measure_load, size, folder),
+                "serve": (measure_serve, size, folder, bucket, args.learner_dtype, args.pooled_masters),
             }
             if args.stand_in:
-                runs["stand-in"] = in_fresh_process(measure_stand_in, size, bucket, args.repeats, args.learner_dtype)
+                plans["stand-in"] = (measure_stand_in, size, bucket, args.learner_dtype)
+            runs = measure(plans, args.repeats + 1, args.interleave)
         report(size, args.bucket_mib, runs)
         print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
 
