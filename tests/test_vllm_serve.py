@@ -18,13 +18,16 @@ import copy
 import importlib.util
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from run_helpers import Ranks, component, fit_command, records, server_checksums, sha256, write_config
 from test_hf_engine import PROMPTS
+from test_sigterm_waits import STOP_WITHIN_S, wait_for_file
 from test_vllm_engine import FP32_TOLERANCE, LONG_PROMPT, engine_gap, perturbed, saved_actor  # noqa: F401
 
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
@@ -57,7 +60,16 @@ def servers(saved_actor, tmp_path_factory):  # noqa: F811
     # Buckets of 48 KiB: the tiny actor's MLP weights (128 KiB each in fp32) travel split across several buckets.
     engine = VLLMServers(launch=2, max_model_len=256, startup_timeout_s=400, bucket_bytes=48 << 10,
                          log_dir=str(tmp_path_factory.mktemp("server_logs")))  # fmt: skip
-    engine.start(str(saved_actor[0]))
+    # What importing TRL leaves in a process that had no VLLM_LOGGING_LEVEL: the launched servers still log INFO.
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        engine.start(str(saved_actor[0]))
+    finally:
+        if level is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL")
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = level
     yield engine
     engine.close()
 
@@ -213,7 +225,57 @@ class TestVLLMServers:
         assert f"server {engine.urls[0]} serves" in problems[0] and "other_model" in problems[0]
         assert f"server {dead} is unreachable" in problems[1]
 
+    def test_launched_servers_log_at_info_though_this_process_has_vllm_logging_level_error(self, servers):
+        from lit_gmc.data.engines.vllm_serve import LOGGING_LEVEL
+
+        if os.environ.get(LOGGING_LEVEL, "INFO") != "INFO":
+            pytest.skip(f"{LOGGING_LEVEL}={os.environ[LOGGING_LEVEL]}: the user chose the servers' level")
+        for log in servers.logs:
+            assert "INFO" in log.read_text(), log  # vLLM's start-up lines (the servers started with ERROR set here)
+
     # The fits run last: their learner processes open their own weight-transfer groups with the servers.
+
+    def test_sigterm_while_a_server_never_answers_stops_the_run_in_seconds_and_the_resume_gives_its_records(
+        self,
+        servers,
+        one_server_run,
+        saved_actor,  # noqa: F811
+        tmp_path,
+    ):
+        """One learner process on the first server, stopped with SIGSTOP once update 1 is done (after its sync): the
+        next rollouts' requests get no answer. SIGTERM to the learner then stops it within seconds with ``last.ckpt``
+        of step 1 and status 143; with the server continued (SIGCONT), ``--ckpt_path last`` gives the records of the
+        unbroken one-server run."""
+        marker, victim = tmp_path / "stopped", servers.processes[0]
+        stop = component("test_sigterm_waits.SignalProcessAt", step=1, pid=victim.pid, sig=int(signal.SIGSTOP),
+                         marker=str(marker))  # fmt: skip
+        config = write_config(tmp_path, "stopped", total=FIT_STEPS, extra_callbacks=[stop],
+                              **served_data(servers.urls[:1]))  # fmt: skip
+        command = fit_command(config, "--model.actor", str(saved_actor[0]))
+        learner = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   env=learner_env(), cwd=tmp_path)  # fmt: skip
+        try:
+            wait_for_file(marker, [learner], timeout=300)
+            time.sleep(2.0)  # the next rollouts' requests are waiting for the stopped server
+            started = time.monotonic()
+            learner.send_signal(signal.SIGTERM)
+            _, stderr = learner.communicate(timeout=120)
+            took = time.monotonic() - started
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+            if learner.poll() is None:
+                learner.kill()
+                learner.communicate()
+        print(f"SIGTERM while waiting on a stopped server: the learner exited {took:.2f} s after it")
+        assert learner.returncode == 143, stderr[-4000:]
+        assert took < STOP_WITHIN_S, took
+        checkpoints = tmp_path / "stopped" / "checkpoints"
+        assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+        assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 1
+        assert sorted(records(tmp_path / "stopped")) == [0]
+        done = fit_in_subprocess(config, saved_actor[0], tmp_path, "--ckpt_path", "last")
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert_reproduces(tmp_path / "stopped", one_server_run)
 
     def test_two_learners_on_two_servers_killed_and_resumed_give_the_one_learner_one_server_records(
         self,
