@@ -427,11 +427,16 @@ class RolloutDataModule(pl.LightningDataModule):
             share = scatter_from_first(None)
             if isinstance(share, str) and share == STOP:  # a SIGTERM (any rank's) while rank 0 generated
                 raise SIGTERMException
+            if isinstance(share, UserError):  # rank 0's, e.g. every server lost: every rank ends in its line
+                raise share
             return share
         try:
             batch = None if self.schedule.exhausted else self.next_batch_or_preempted()
         except SIGTERMException:
             scatter_from_first([STOP] * self.world)
+            raise
+        except UserError as err:
+            scatter_from_first([UserError(str(err))] * self.world)
             raise
         return scatter_from_first([None] * self.world if batch is None else batch.shards(self.world))
 

@@ -120,3 +120,31 @@ def test_sigterm_while_rank0_waits_in_a_reward_and_rank1_in_a_collective_stops_b
                 process.kill()
                 process.wait()
     assert_same_records(records(tmp_path / "preempted"), unbroken, tol=1e-5)
+
+
+def raises(completions: list[str], answer: str) -> list[float]:
+    """``--data.reward test_sigterm_waits.raises``: a plug-in reward with a bug (rank 0 alone scores)."""
+    raise ZeroDivisionError("division by zero")
+
+
+@pytest.mark.slow
+def test_a_user_error_on_rank0_while_rank1_waits_ends_every_rank_in_its_one_line(tmp_path):
+    """Rank 0 fails where rank 1 waits for its share (a reward that raises; every vLLM server lost is the same path):
+    both ranks exit with status 2 and the same ``lit_gmc: error:`` line, not in gloo's "Connection closed by peer"."""
+    config = write_config(tmp_path, "raises", total=2, batch_prompts=4, reward="test_sigterm_waits.raises")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    ranks = Ranks(config, "--trainer.strategy", "ddp", logs=tmp_path, env=env)
+    try:
+        codes = ranks.wait(timeout=300)
+    finally:
+        for process in ranks.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    last_lines = [ranks.stderr(rank).strip().splitlines()[-1] for rank in (0, 1)]
+    assert codes == [2, 2], f"{codes}:\n{ranks.stderr()[-3000:]}\n{ranks.stderr(1)[-2000:]}"
+    assert last_lines[0] == last_lines[1], last_lines
+    assert last_lines[0].startswith("lit_gmc: error: reward --data.reward test_sigterm_waits.raises raised "
+                                    "ZeroDivisionError"), last_lines[0]  # fmt: skip
+    for rank in (0, 1):
+        assert ranks.stderr(rank).count("lit_gmc: error:") == 1 and "Traceback" not in ranks.stderr(rank)
