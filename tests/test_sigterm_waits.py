@@ -26,7 +26,9 @@ from run_helpers import Ranks, assert_same_records, component, digit_fraction, f
 TOTAL, HANG_AFTER = 6, 3
 OPTIONS = {"schedule": component("FixedDelay", delay=2), "reward": "test_sigterm_waits.hangs"}
 HANG: dict[str, str | None] = {"marker": None}  # a path: the next reward call writes it, then never returns
-STOP_WITHIN_S = 20.0
+# From the signal to last.ckpt on disk (measured 0.3 s here), and to the last process's exit, which adds Lightning's
+# teardown and the interpreter's (6-20 s measured on 2 cores shared at load 9-16).
+SAVED_WITHIN_S, EXITED_WITHIN_S = 10.0, 90.0
 
 
 def hangs(completions: list[str], answer: str) -> list[float]:
@@ -93,7 +95,7 @@ def test_sigterm_while_rank0_waits_in_a_reward_and_rank1_in_a_collective_stops_b
     try:
         wait_for_file(marker, ranks.processes, timeout=300)
         time.sleep(1.0)  # both ranks well inside their waits
-        started = time.monotonic()
+        signalled_at, started = time.time(), time.monotonic()
         ranks.processes[int(signalled[-1])].send_signal(signal.SIGTERM)
         codes = ranks.wait(timeout=120)
         took = time.monotonic() - started
@@ -102,11 +104,13 @@ def test_sigterm_while_rank0_waits_in_a_reward_and_rank1_in_a_collective_stops_b
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    print(f"SIGTERM to {signalled} in a hung reward / a collective: every rank exited {took:.2f} s after it")
     assert codes == [143, 143], f"{codes}:\n{ranks.stderr()[-3000:]}\n{ranks.stderr(1)[-2000:]}"
-    assert took < STOP_WITHIN_S, took
     folder = tmp_path / "preempted" / "checkpoints"
     assert [p.name for p in folder.iterdir()] == ["last.ckpt"]
+    saved = (folder / "last.ckpt").stat().st_mtime - signalled_at
+    print(f"SIGTERM to {signalled}, rank 0 in a hung reward, rank 1 in a collective: last.ckpt saved {saved:.2f} s "
+          f"after it, every rank exited after {took:.2f} s")  # fmt: skip
+    assert saved < SAVED_WITHIN_S and took < EXITED_WITHIN_S, (saved, took)
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == HANG_AFTER
     assert ranks.stderr().count("SIGTERM: saved") == 1
     assert max(records(tmp_path / "preempted")) == HANG_AFTER - 1, "records up to the checkpoint, none after"
