@@ -152,3 +152,17 @@ def test_a_user_error_on_rank0_while_rank1_waits_ends_every_rank_in_its_one_line
                                     "ZeroDivisionError"), last_lines[0]  # fmt: skip
     for rank in (0, 1):
         assert ranks.stderr(rank).count("lit_gmc: error:") == 1 and "Traceback" not in ranks.stderr(rank)
+
+
+class KillLaunchedServerAt(pl.Callback):
+    """Global rank 0 SIGKILLs the ``vllm serve`` its engine launched (its API process only, as a crash does) once update
+    ``step`` has ended, after writing the server's process group id to ``out``."""
+
+    def __init__(self, step: int, out: str) -> None:
+        self.step, self.out = step, out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            server = trainer.datamodule.rollout_engine.processes[0]
+            Path(self.out).write_text(str(server.pid))
+            os.kill(server.pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -393,6 +394,42 @@ class TestVLLMServers:
             text = log.read_text()
             assert "lit_gmc weight update:" in text, (log, text[-3000:])
             assert "RotaryEmbedding: Failed to load weights" not in text, log
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_every_server_lost_ends_every_rank_in_one_line_naming_it_and_leaves_no_server_process(
+    saved_actor,  # noqa: F811
+    tmp_path,
+):
+    """Two DDP learner processes on one server they launch (``--data.engine.launch 1``); its ``vllm serve`` is
+    SIGKILLed once update 1 is done. The next rollouts find no server: both ranks exit with status 2, their last line
+    the same ``lit_gmc: error:`` naming the server's URL and the way out, and no process of the server's group (its
+    engine core included) is left."""
+    import psutil
+
+    group_file = tmp_path / "server_group"
+    kill = component("test_sigterm_waits.KillLaunchedServerAt", step=1, out=str(group_file))
+    data = {**served_data([]), "engine": component(SERVERS_CLASS, launch=1, max_model_len=256, startup_timeout_s=400)}
+    config = write_config(tmp_path, "lost", total=FIT_STEPS, extra_callbacks=[kill], **data)
+    ranks = Ranks(config, "--model.actor", str(saved_actor[0]), "--trainer.strategy", "ddp", logs=tmp_path,
+                  env=learner_env())  # fmt: skip
+    codes = wait_for_ranks(ranks, timeout=600)
+    last = [ranks.stderr(rank).strip().splitlines()[-1] for rank in (0, 1)]
+    assert codes == [2, 2], (codes, ranks.stderr()[-4000:], ranks.stderr(1)[-2000:])
+    assert last[0] == last[1], last
+    assert re.fullmatch(r"lit_gmc: error: vLLM server http://127\.0\.0\.1:\d+ stopped answering and no other is "
+                        r"left \(.*\): restart them, then resume with --ckpt_path last", last[0]), last[0]  # fmt: skip
+    group = int(group_file.read_text())
+    left = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(process.name())
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    assert left == [], left
 
 
 # ---- no vLLM needed ----
