@@ -35,8 +35,16 @@ from lit_gmc.data.tasks.base import (
     prompts_in_chat_template,
     truncate_prompt,
 )
-from lit_gmc.data.tasks.reward import Reward, RewardInterrupted
-from lit_gmc.distributed import open_rank0_channel, rank_and_world, scatter_from_first, wait_for_rank0
+from lit_gmc.data.tasks.reward import Reward
+from lit_gmc.distributed import (
+    STOP,
+    Interrupted,
+    open_rank0_channel,
+    rank_and_world,
+    scatter_from_first,
+    sigterm_requested,
+    wait_for_rank0,
+)
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
@@ -272,6 +280,8 @@ class RolloutDataModule(pl.LightningDataModule):
         run_folder = getattr(self.trainer.logger, "root_dir", None) if self.trainer is not None else None
         if run_folder is not None and getattr(self.engine, "log_dir", "") is None:  # launched servers' logs
             self.engine.log_dir = os.path.join(run_folder, "servers")
+        if hasattr(self.engine, "stop"):  # an engine that waits on other processes (VLLMServers) polls it
+            self.engine.stop = self._sigterm_received
         self.engine.start(hp.actor)
         if hp.recompute_behavior_logprobs:
             model, _ = load_actor(resolve_actor_path(hp.actor))
@@ -353,26 +363,38 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.world == 1:
             return None if self.schedule.exhausted else self.next_batch_or_preempted()
         if self.rank != 0:
-            return scatter_from_first(None)
-        batch = None if self.schedule.exhausted else self.next_batch()
+            share = scatter_from_first(None)
+            if isinstance(share, str) and share == STOP:  # a SIGTERM (any rank's) while rank 0 generated
+                raise SIGTERMException
+            if isinstance(share, UserError):  # rank 0's, e.g. every server lost: every rank ends in its line
+                raise share
+            return share
+        try:
+            batch = None if self.schedule.exhausted else self.next_batch_or_preempted()
+        except SIGTERMException:
+            scatter_from_first([STOP] * self.world)
+            raise
+        except UserError as err:
+            scatter_from_first([UserError(str(err))] * self.world)
+            raise
         return scatter_from_first([None] * self.world if batch is None else batch.shards(self.world))
 
     def next_batch_or_preempted(self) -> RolloutBatch:
-        """:meth:`next_batch`, or Lightning's ``SIGTERMException`` for a SIGTERM while it waits for a reward.
+        """:meth:`next_batch`, or Lightning's ``SIGTERMException`` for a SIGTERM while it waits (a reward, a server).
 
         The state is then put back, so the ``last.ckpt`` written for the exception resumes the run exactly.
         """
         if self.schedule.overlap or self.schedule.running:  # generation in other threads: not undone here
             return self.next_batch()
-        before = self.state_dict()  # references to the queued batches: a new container, no tensor copied
+        before = self._own_state()  # references to the queued batches: a new container, no tensor copied
         try:
             return self.next_batch()
-        except RewardInterrupted:
+        except Interrupted:  # a reward, or a request to a server, was waited for when SIGTERM came
             self.load_state_dict(before)
             raise SIGTERMException from None
 
     def _sigterm_received(self) -> bool:
-        return self.trainer is not None and self.trainer.received_sigterm
+        return bool(self.trainer is not None and self.trainer.received_sigterm) or sigterm_requested()
 
     def next_batch(self) -> RolloutBatch:
         """The schedule's next batch, collated; ``info`` records what was consumed (logged as ``schedule/*``)."""
@@ -393,16 +415,20 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.rank != 0:
             wait_for_rank0()
             return {}
+        state = self._own_state()
+        wait_for_rank0()
+        return state
+
+    def _own_state(self) -> dict[str, Any]:
+        """Rank 0's part of :meth:`state_dict`, without the wait for the other ranks (no collective)."""
         with self.schedule.paused():
-            state = {
+            return {
                 "schedule": self.schedule.state_dict(),
                 "stream": self.stream.state_dict(),
                 "batches_launched": self.batches_launched,
                 # The engine gets these weights back from WeightSync.on_train_start (the restored actor).
                 "engine_version": self.engine.version if self.started else None,
             }
-        wait_for_rank0()
-        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -9,10 +9,16 @@ signal had ended it); anything else is a bug and keeps its traceback.
 
 import argparse
 import difflib
+import os
 import signal
 import sys
 
 from lit_gmc.errors import UserError
+
+# Before anything imports TRL, which sets VLLM_LOGGING_LEVEL=ERROR where it is unset: the servers a run launches log
+# at the user's level, else INFO (lit_gmc.data.engines.vllm_serve.server_logging_level).
+if "trl" not in sys.modules:
+    os.environ.setdefault("LIT_GMC_VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
 
 PREEMPTED = 128 + signal.SIGTERM
 COMMANDS = {

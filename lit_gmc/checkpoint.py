@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_gmc.distributed import any_rank, open_rank0_channel, rank_and_world, wait_for_rank0
+from lit_gmc.distributed import any_rank, note_sigterm, open_rank0_channel, rank_and_world, wait_for_rank0
 from lit_gmc.errors import UserError, first_line
 
 
@@ -130,6 +130,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     def _note_sigterm(self, signum: int, frame: Any) -> None:
         self.sigterm_noted = True
+        note_sigterm()  # for the waits that end at once (lit_gmc.distributed.sigterm_requested)
 
     @override
     def on_train_batch_start(

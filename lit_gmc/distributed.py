@@ -14,12 +14,19 @@ shares themselves (:func:`scatter_from_first`), and :func:`wait_for_rank0` / :fu
 rank 0 may still be busy when the others reach their next collective (``lit_gmc.checkpoint.RunCheckpoint``, the
 DataModule's ``setup`` and ``state_dict``, ``WeightSync``).
 
+SIGTERM while a rank waits (:func:`note_sigterm`, :func:`sigterm_requested`): a rank blocked inside a gloo
+collective runs no Python signal handler until the collective returns, so the other ranks' wait for rank 0 is an
+asynchronous barrier polled from Python (:func:`scatter_from_first`); a rank that notes SIGTERM there, or anywhere,
+publishes it in the default group's store, where rank 0's own waits (a reward, a request to a server) see it. Rank 0
+then answers every rank with :data:`STOP` instead of their shares, so all ranks stop at the same update boundary.
+
 Written on ``torch.distributed`` directly: Lightning's strategy exposes ``broadcast`` and ``all_gather`` but no
 scatter of Python objects and no gather of tensors whose first dimension differs between ranks.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -31,7 +38,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 T = TypeVar("T")
 
 DEFAULT_RANK0_WAIT = timedelta(hours=12)
+POLL_S = 0.1  # how often a wait for rank 0 looks at SIGTERM: a stop is acted on within this
+SIGTERM_KEY = "lit_gmc/sigterm"  # set in the default group's store by the first rank that sees a SIGTERM
+STOP = "lit_gmc: stop"
+"""What rank 0 scatters instead of the shares when a SIGTERM stops the run while the other ranks wait for it."""
 _channel: tuple[Any, Any] | None = None  # (the default group it was made in, the gloo group)
+_sigterm = {"noted": False, "published": False}  # this process's, for the run of the current default group
+
+
+class Interrupted(Exception):
+    """A wait ended because the run received SIGTERM; the caller puts its state back and stops at the last update."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -55,13 +71,36 @@ def open_rank0_channel(timeout: timedelta | None = None) -> Any:
     if _channel is None or _channel[0] is not dist.group.WORLD:  # none yet, or made in a destroyed default group
         group = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_RANK0_WAIT)
         _channel = (dist.group.WORLD, group)
+        _sigterm.update(noted=False, published=False)  # a new run
     return _channel[1]
+
+
+def note_sigterm() -> None:
+    """Note that this process received SIGTERM (safe in a signal handler: it only sets a flag)."""
+    _sigterm["noted"] = True
+
+
+def sigterm_requested() -> bool:
+    """Whether this process noted SIGTERM or, on several processes, any rank did (through the store).
+
+    The first call that finds this process's own note publishes it, so the other ranks' calls see it too.
+    """
+    if rank_and_world()[1] == 1:
+        return _sigterm["noted"]
+    store = dist.distributed_c10d._get_default_store()
+    if _sigterm["noted"]:
+        if not _sigterm["published"]:
+            store.set(SIGTERM_KEY, "1")
+            _sigterm["published"] = True
+        return True
+    return store.check([SIGTERM_KEY])
 
 
 def scatter_from_first(shares: list[T] | None) -> T:
     """Rank 0 passes one picklable object per rank and gets its own back; every other rank passes ``None``.
 
-    Sent over the rank-0 channel (:func:`open_rank0_channel`): the other ranks wait here while rank 0 generates.
+    Sent over the rank-0 channel (:func:`open_rank0_channel`): the other ranks wait here while rank 0 generates,
+    publishing a SIGTERM they receive meanwhile (:func:`sigterm_requested`); rank 0 then sends :data:`STOP`.
     """
     rank, world = rank_and_world()
     if world == 1:
@@ -69,8 +108,17 @@ def scatter_from_first(shares: list[T] | None) -> T:
         return shares[0]
     if rank == 0 and (shares is None or len(shares) != world):
         raise ValueError(f"scatter_from_first needs {world} shares on rank 0, got {shares!r:.80}")
+    channel = open_rank0_channel()
+    if rank != 0:  # rank 0 may be busy for hours: wait where a SIGTERM can be seen and passed on
+        waiting = dist.barrier(group=channel, async_op=True)
+        while not waiting.is_completed():
+            sigterm_requested()  # publishes this rank's SIGTERM for rank 0, which answers with STOP
+            time.sleep(POLL_S)
+        waiting.wait()
+    else:
+        dist.barrier(group=channel)
     received: list[Any] = [None]
-    dist.scatter_object_list(received, shares if rank == 0 else None, src=0, group=open_rank0_channel())
+    dist.scatter_object_list(received, shares if rank == 0 else None, src=0, group=channel)
     return received[0]
 
 

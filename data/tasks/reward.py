@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lit_gmc.data.tasks.base import Task
+from lit_gmc.distributed import Interrupted
 from lit_gmc.errors import UserError, first_line
 
 # How often a wait for a reward looks at the clock and at ``stop``: a SIGTERM is acted on within this.
@@ -269,7 +270,7 @@ class Reward:
         )
 
 
-class RewardInterrupted(Exception):
+class RewardInterrupted(Interrupted):
     """A wait for a reward ended because ``stop`` turned true (a SIGTERM): the run is stopping."""
 
 
