@@ -181,14 +181,17 @@ def evaluate_suites(
 
     Each suite is scored by its own scorer, else by ``scorer``; with ``samples``, every completion is appended to it
     (:func:`correctness`), labelled with its ``benchmark`` and ``mode``. Returns ``{"benchmarks": {name: {"title",
-    "problems", "n", "greedy", "avg@n", "pass@k"...}}, "macro": {"greedy", "avg@n"}}`` (synced across processes).
+    "problems", "n", "greedy", "avg@n", "pass@k"...}}, "macro": {"greedy", "avg@n"}}`` of this process's problems:
+    not synced, since each process that evaluates scores every problem (under DDP rank 0 alone evaluates, and a sync
+    would wait for ranks that never compute).
     """
     from lit_gmc.data.engines.base import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
     sampled = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
     names = [s.name for s in suites]
-    macro_greedy, macro_avg = MacroAverage(names), MacroAverage(names)
+    local = {"sync_on_compute": False}
+    macro_greedy, macro_avg = MacroAverage(names, **local), MacroAverage(names, **local)
     results: dict[str, Any] = {"benchmarks": {}}
     for suite in suites:
         scores = suite.scorer or scorer
@@ -198,12 +201,12 @@ def evaluate_suites(
                             {"benchmark": suite.name, "mode": "greedy"})[:, 0]  # (P,)  # fmt: skip
         many = correctness(engine, tokenizer, scores, suite.prompts, suite.n, sampled, samples,
                            {"benchmark": suite.name, "mode": "sampled"})  # (P, n)  # fmt: skip
-        accuracy, avg, pass_k = GreedyAccuracy(), AvgAtN(suite.n), PassAtK(suite.n, suite.ks)
+        accuracy, avg, pass_k = GreedyAccuracy(**local), AvgAtN(suite.n, **local), PassAtK(suite.n, suite.ks, **local)
         for metric, values in ((accuracy, first), (avg, many), (pass_k, many)):
             metric.update(values)
         macro_greedy.update(suite.name, first)
         macro_avg.update(suite.name, many.mean(dim=1))
-        count = SumMetric()
+        count = SumMetric(**local)
         count.update(float(len(suite.prompts)))
         entry = {"title": suite.title, "problems": int(count.compute()), "skipped": suite.skipped, "n": suite.n}
         entry.update({"greedy": float(accuracy.compute()), "avg@n": float(avg.compute())})
@@ -315,6 +318,7 @@ class Evaluation(pl.Callback):
         self.suites: list[Suite] = []
         self.active = True  # False on ranks other than 0 when the engine is the DataModule's (set in setup)
         self.history: list[dict[str, Any]] = []
+        self.log_dir: str | None = None  # where rank 0 writes eval/step_<n>.json (read in setup)
 
     @property
     @override
@@ -336,6 +340,9 @@ class Evaluation(pl.Callback):
         if unknown:
             raise UserError(f"Evaluation: unknown benchmarks {unknown} in benchmarks; known: {', '.join(BENCHMARKS)}"
                             " (or a BenchmarkFile for a file of your own)")  # fmt: skip
+        # Read here, on every rank: under DDP Trainer.log_dir is a broadcast from rank 0, which waits forever when
+        # rank 0 alone evaluates.
+        self.log_dir = trainer.log_dir
         self.active = trainer.global_rank == 0 or self._given["engine"] is not None
         if not self.active:
             return  # the rollout engine lives on rank 0, which evaluates every problem
@@ -409,8 +416,8 @@ class Evaluation(pl.Callback):
             logger.log_metrics(scalars_of(results), step=step)
         entry = {"step": step, "version": version, **results}
         self.history.append(entry)
-        if trainer.is_global_zero and trainer.log_dir is not None:
-            out = Path(trainer.log_dir) / "eval" / f"step_{step}.json"
+        if trainer.is_global_zero and self.log_dir is not None:
+            out = Path(self.log_dir) / "eval" / f"step_{step}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(entry, indent=2))
         return results
