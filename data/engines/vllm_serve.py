@@ -124,7 +124,7 @@ class ServerGroupClient:
         self._on_every_server("start_weight_update", [None] * len(self.urls))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Every server receives one bucket (returns once all of them have it)."""
+        """Every server receives what the call announces: one bucket, or with ``gloo`` the whole update."""
         self._on_every_server("update_weights", [{"update_info": json_update_info(update_info)}] * len(self.urls))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -163,9 +163,10 @@ class VLLMServers(RolloutEngine):
             on this learner's own GPU, colocated: vLLM's CUDA IPC trainer engine; one learner process, and a
             server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which ``launch`` sets). ``nccl`` and
             ``ipc`` have never run here (no GPU). ``null`` takes ``nccl`` when this process has CUDA, else ``gloo``.
-        bucket_bytes: Most bytes of weights announced and sent per ``/update_weights`` call; the learner holds two
-            such buffers during a sync (``nccl``: plus the cast copy of a tensor larger than a bucket; ``ipc``: one
-            buffer, which must hold the largest tensor); ``null`` is 256 MiB on GPU, 32 MiB on CPU.
+        bucket_bytes: Most bytes of weights in one bucket (with ``gloo`` one ``/update_weights`` call carries every
+            bucket of a sync); the learner holds two such buffers during a sync (``nccl``: plus the cast copy of a
+            tensor larger than a bucket; ``ipc``: one buffer, which must hold the largest tensor); ``null`` is 256 MiB
+            on GPU, 32 MiB on CPU.
         dtype: The servers' weight dtype (``auto``: the checkpoint's); weights are cast to it before they travel.
         served_model: The model name the servers answer to; ``null`` is the actor's path, as ``vllm serve --model
             PATH`` names it.

@@ -50,7 +50,7 @@ except ImportError as err:
     raise ImportError(f"lit_gmc.data.engines.weight_transfer needs vLLM: {INSTALL_HINT}") from err
 
 BACKEND = "gloo"
-DEFAULT_BUCKET_BYTES = 256 * 2**20  # one /update_weights call per bucket; the sender holds one bucket
+DEFAULT_BUCKET_BYTES = 256 * 2**20  # bytes per bucket (VLLMServers' bucket_bytes)
 TRANSFER_TIMEOUT_S = 1800  # one bucket's broadcast; generation never runs inside it
 # Under vLLM's logger, so that a server's worker writes it where the server's own lines go.
 worker_log = logging.getLogger("vllm.lit_gmc.weight_transfer")
