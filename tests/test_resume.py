@@ -99,7 +99,7 @@ MATRIX = [
     cell("gac", "shipped", "ddp", "kill -9", marks=pytest.mark.slow),
     cell("gmc", "shipped", "fsdp2_sharded", "kill -9", marks=pytest.mark.slow),
     # FSDP2 with one full checkpoint file: written as under DDP, so left to the extended run for CI's time
-    cell("gac", "shipped", "fsdp2", "kill -9", marks=pytest.mark.extended),
+    cell("gac", "shipped", "fsdp2", "kill -9", marks=(pytest.mark.slow, pytest.mark.extended)),
 ]
 
 
@@ -145,10 +145,9 @@ def wait_for(condition, process: subprocess.Popen, seconds: float = 300) -> None
 
 
 @pytest.mark.parametrize("case", MATRIX)
-def test_a_stopped_run_resumed_from_its_checkpoint_has_the_unbroken_records(tmp_path, unbroken, single_process_runs,
-                                                                            case):  # fmt: skip
-    if case.schedule == "shipped":
-        stop_two_processes_with_kill_9(tmp_path, case, single_process_runs[case.rule])
+def test_a_stopped_run_resumed_from_its_checkpoint_has_the_unbroken_records(tmp_path, unbroken, request, case):
+    if case.schedule == "shipped":  # the session's references, made only when a cell needs them
+        stop_two_processes_with_kill_9(tmp_path, case, request.getfixturevalue("single_process_runs")[case.rule])
     elif case.stop == "exception":
         stop_with_an_exception(tmp_path, case, unbroken)
     elif case.stop == "kill -9":
