@@ -72,3 +72,42 @@ def tiny_actor_dir(tmp_path, char_tokenizer) -> Path:
     model.save_pretrained(path)
     char_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def float64_rmsnorm(monkeypatch):
+    """Qwen3's RMSNorm upcasts to float32 even in a float64 model, in backward too, which rounds gradients to
+    ~1e-8; tests that compare estimators at float64 precision run the norm in the input dtype."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(Qwen3RMSNorm, "forward", forward)
+
+
+@pytest.fixture(scope="module")
+def float64_actor_dir(tmp_path_factory, char_tokenizer) -> Path:
+    """A random tiny Qwen3 (hidden 16) in float64, saved so GMCModule can load it by path."""
+    recipe = TinyRecipe(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=3)
+    model = build_tiny_model(recipe, len(char_tokenizer), char_tokenizer.pad_token_id, char_tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("actor")
+    model.double().save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def single_process_runs(tmp_path_factory) -> dict[str, Path]:
+    """``rule -> run folder`` of the single-process reference runs of the scale-out config (GMC and GAC), made once
+    for ``tests/test_scale_out.py`` and the two-process kill -9 cells of ``tests/test_resume.py``."""
+    from run_helpers import MICRO, SCALE_OUT, run_subprocess, write_config
+
+    root = tmp_path_factory.mktemp("single")
+    runs = {}
+    for rule in ("gmc", "gac"):
+        done = run_subprocess(write_config(root, rule, **SCALE_OUT), *MICRO, "--model.correction", rule.upper())
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[rule] = root / rule
+    return runs

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lit_gmc.cli import GMCCLI
@@ -26,6 +27,7 @@ from lit_gmc.data.datamodule import RolloutDataModule
 from lit_gmc.data.engines.hf import HFEngine
 from lit_gmc.data.schedules.base import FixedDelay
 from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.errors import UserError
 from lit_gmc.tblog import read_scalars
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -119,6 +121,34 @@ def records(run_dir: Path) -> dict[int, dict[str, float]]:
             for step, value in points:
                 out.setdefault(step, {})[tag] = value
     return out
+
+
+# The scale-out runs (two processes against one, ``tests/test_scale_out.py``, and their kill -9 resume cells in
+# ``tests/test_resume.py``): :func:`write_config` options and the micro-batching, one group per backward pass, so
+# that DDP skips the all-reduce of all but the last micro-batch.
+SCALE_OUT = {"total": 20, "every": 4, "batch_prompts": 4}
+MICRO = ("--model.micro_batch_groups", "1")
+EXACT = ("schedule/batch_id", "schedule/launch_version", "train/reward", "delay/mean", "delay/max")
+CLOSE = ("train/loss", "train/grad_norm", "diag/ess/mean", "gac/cosine")
+
+
+def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    return {tag: dict(points) for tag, points in read_scalars(run_dir).items()}
+
+
+def assert_reproduces(got: Path, want: Path, tol: float = 1e-5) -> None:
+    """A scale-out run's :data:`EXACT` tags equal the single-process run's, its :data:`CLOSE` tags to ``tol``
+    (relative above 1): losses and gradient norms differ by floating-point reduction order only."""
+    got_scalars, want_scalars = scalars(got), scalars(want)
+    assert sorted(want_scalars["train/reward"]) == list(range(SCALE_OUT["total"]))
+    for tag in EXACT:
+        assert got_scalars[tag] == want_scalars[tag], f"{tag} differs"
+    for tag in CLOSE:
+        if tag not in want_scalars:
+            continue
+        assert sorted(got_scalars[tag]) == sorted(want_scalars[tag]), f"{tag}: steps differ"
+        for step, value in want_scalars[tag].items():
+            assert abs(got_scalars[tag][step] - value) <= tol * max(1.0, abs(value)), f"{tag} step {step}"
 
 
 def assert_same_records(got: dict[int, dict[str, float]], want: dict[int, dict[str, float]], tol: float = 1e-6) -> None:
@@ -233,3 +263,34 @@ def digit_fraction(completions: list[str], answer: str) -> list[float]:
     never answers an addition right, so the task's own reward is 0 everywhere and no update changes a weight; this
     one differs within a group whatever the model, so every update trains."""
     return [sum(char.isdigit() for char in text) / max(len(text), 1) for text in completions]
+
+
+def main_error_line(monkeypatch, *argv: str) -> str:
+    """The last line ``lit_gmc`` prints on stderr for ``argv``, once it has exited with status 2 (a user's error)."""
+    import io
+
+    import pytest
+
+    from lit_gmc.__main__ import main
+
+    monkeypatch.setattr("sys.argv", ["lit_gmc", *argv])
+    stderr = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 2
+    return stderr.getvalue().strip().splitlines()[-1]
+
+
+class ParseOnly(GMCCLI):
+    def instantiate_classes(self) -> None:
+        pass
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
+
+def parse_problems(*args: str) -> str:
+    with pytest.raises(UserError) as caught:
+        ParseOnly(args=["fit", *args])
+    return str(caught.value)

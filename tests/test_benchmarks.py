@@ -113,3 +113,22 @@ def test_a_users_benchmark_file_keeps_its_text_answers_verbatim(tmp_path):
     path.write_text(json.dumps({"q": "x", "a": False}) + "\n\n" + json.dumps({"q": "y", "a": True}) + "\n")
     with pytest.raises(UserError, match=r"own\.jsonl:1: field 'answer' \(column 'a'\) must be str or int or float"):
         load_file_items(str(path), question="q", answer="a")
+
+
+def test_benchmark_rows_without_a_reference_answer_are_left_out_and_counted(tmp_path):
+    import json
+
+    from lit_gmc.callbacks.evaluation import BenchmarkFile, file_suite
+    from lit_gmc.data.tasks.benchmarks import load_benchmark
+
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "No answer?", "answer": ""}, {"problem": "3?", "answer": 3}]
+    path = tmp_path / "amc23_test.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    bench = load_benchmark("amc23", data_dir=str(tmp_path))
+    assert [item.answer for item in bench.items] == ["2", "3"]
+    assert bench.skipped == (f"{path}:2",)  # file and line
+    user_rows = [{"question": "2+3=", "answer": "5"}, {"question": "?", "answer": "  "}]
+    user = tmp_path / "sums.jsonl"
+    user.write_text("\n".join(json.dumps(row) for row in user_rows) + "\n")
+    suite = file_suite(BenchmarkFile("sums", str(user), template="{question}", samples=1), None, lambda: None, (1,))
+    assert len(suite.prompts) == 1 and suite.skipped == 1

@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic replacement, and a last.ckpt that holds the end of the run (or the step SIGTERM ended)."""
+"""Checkpoint files: atomic replacement, a last.ckpt that holds the end of the run (or the step SIGTERM ended), and
+Lightning's warning for a folder in use kept for a run that does not resume."""
 
 from __future__ import annotations
 
@@ -129,3 +130,16 @@ def test_other_exceptions_save_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="crash"):
         fit_tiny(tmp_path, Interrupt(3, RuntimeError("crash")), save_last=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_lightning_s_non_empty_folder_warning_is_kept_for_a_run_that_does_not_resume(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_gmc.checkpoint import RunCheckpoint
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "other.ckpt").write_text("")
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[RunCheckpoint(dirpath=tmp_path / "ckpt")], default_root_dir=tmp_path)  # fmt: skip
+    with pytest.warns(UserWarning, match=f"Checkpoint directory {tmp_path / 'ckpt'} exists and is not empty"):
+        trainer.fit(BoringModel())

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from docstring_parser import parse as parse_docstring
+from run_helpers import fit, main_error_line
 
 import lit_gmc.__main__ as entry
 import lit_gmc.rules
@@ -359,26 +360,18 @@ def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("args", "check"),
-    [(["--model.correction", "GRPO", "--model.correction.clip", "0.25"], "correction/eps"),
-     (["--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.01"], "train/lr")],
-    ids=["grpo-clip", "sgd"],
-)  # fmt: skip
-def test_a_rule_option_and_any_torch_optimizer_run_a_tiny_fit(args, check, tmp_path):
-    """The issue's two commands: both parse and train two updates (SGD used to crash: no schedule to step)."""
-    from run_helpers import fit, write_config
+def test_any_torch_optimizer_runs_a_tiny_fit(tmp_path):
+    """SGD trains two updates (it used to crash: no schedule to step). A rule's option in a fit (GRPO's clip) is
+    ``tests/test_e2e.py``'s."""
+    from run_helpers import write_config
 
     from lit_gmc.tblog import read_scalars
 
-    cli = fit(write_config(tmp_path, "run", total=2), *args)
+    cli = fit(write_config(tmp_path, "run", total=2), "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.01")
     assert cli.trainer.global_step == 2
-    values = [value for _, value in read_scalars(tmp_path / "run")[check]]
-    if check == "correction/eps":
-        assert type(cli.model.correction).__name__ == "GRPO" and values == [0.25, 0.25]
-    else:
-        assert type(cli.trainer.optimizers[0]) is torch.optim.SGD
-        assert values == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * s / 2)) for s in range(2)])
+    values = [value for _, value in read_scalars(tmp_path / "run")["train/lr"]]
+    assert type(cli.trainer.optimizers[0]) is torch.optim.SGD
+    assert values == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * s / 2)) for s in range(2)])
 
 
 def main_error(monkeypatch, *argv: str) -> str:
@@ -540,3 +533,19 @@ def test_the_private_lightning_methods_lit_gmc_overrides_are_still_called():
     assert list(inspect.signature(LightningCLI._parse_ckpt_path).parameters) == ["self"]
     assert "self._get_train_description(" in inspect.getsource(RichProgressBar)
     assert list(inspect.signature(RichProgressBar._get_train_description).parameters) == ["self", "current_epoch"]
+
+
+def test_the_cli_offers_fit_and_export_under_its_own_name(capsys, monkeypatch):
+    from lit_gmc.__main__ import run
+
+    with pytest.raises(SystemExit) as shown_help:
+        run(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert shown_help.value.code == 0 and shown.startswith("usage: lit_gmc [-h] {fit,export} ...")
+    assert "fit train a policy on stale rollouts" in shown and "export write a checkpoint's policy" in shown
+    assert main_error_line(monkeypatch, "fti") == (
+        "lit_gmc: error: fti is not a command: one of fit, export (lit-gmc --help); did you mean fit?"
+    )
+    assert main_error_line(monkeypatch) == "lit_gmc: error: give a command: fit or export (lit-gmc --help)"
+    with pytest.raises(UserError, match="invalid choice: 'validate' \\(choose from 'fit'\\)"):
+        GMCCLI(args=["validate"])

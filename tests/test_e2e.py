@@ -1,15 +1,19 @@
-"""One complete tiny ``fit`` through the real CLI: reward rises, checkpoints and TensorBoard scalars are written."""
+"""Each rule's fit through the real CLI, once: GMC's long enough that reward rises, with checkpoints and every
+TensorBoard scalar written; every other rule's a few updates past the queue's fill, with its own scalars logged."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from run_helpers import component, fit, write_config
 
 from lit_gmc.tblog import read_scalars
 
@@ -27,8 +31,59 @@ RETIRED = {"diag/reward/mean", "train/entropy", "train/response_length", "train/
            "gmc/rescaled_fraction", "tic/dropped_fraction", "correction/removed_mass", "ratio/log_rho_mean"}
 
 
-@pytest.mark.slow
-def test_tiny_fit_with_fixed_delay_learns_and_writes_everything(tmp_path):
+SHORT = 8  # past the delay-2 queue's fill (from step 2 on every delay is 2), with 6 steady updates
+# rule -> (its class, the options its fit adds, a scalar of its own); GRPO's clip is given as a user types it
+RULE_FITS = {
+    "TIC": ("TIC", (), "diag/tic/dropped_fraction"),
+    "GRPO": ("GRPO", ("--model.correction.clip", "0.25"), "grpo/clip_fraction"),
+    "VCPO": ("VCPO", (), "vcpo/lr_factor"),
+    "GAC": ("GAC", (), "gac/cosine"),
+    "A3PO": ("A3PO", (), "a3po/over_cap_fraction"),
+    "A3PO_capped": ("A3PO", ("--model.correction.behavior_cap", "5"), "a3po/over_cap_fraction"),  # AReaL's cap
+    "CISPO": ("CISPO", (), "cispo/truncated_fraction"),
+    "TIS": ("TIS", (), "tis/truncated_fraction"),
+}
+
+
+class LrSeen(pl.Callback):
+    """The optimizer's learning rate at each step."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("rule", [pytest.param("GMC", marks=pytest.mark.slow), *RULE_FITS])
+def test_each_rule_trains_through_the_cli(rule, tmp_path):
+    if rule == "GMC":
+        fit_gmc_until_reward_rises(tmp_path)
+        return
+    name, options, own_scalar = RULE_FITS[rule]
+    lrs = LrSeen()
+    config = write_config(tmp_path, "run", total=SHORT, batch_prompts=4, schedule=component("FixedDelay", delay=2))
+    cli = fit(config, "--model.correction", name, *options, "--model.micro_batch_groups", "2", callbacks=[lrs])
+    assert cli.trainer.global_step == SHORT and type(cli.model.correction).__name__ == name
+    scalars = {tag: dict(points) for tag, points in read_scalars(tmp_path / "run").items()}
+    assert sorted(scalars["train/loss"]) == list(range(SHORT))
+    assert all(math.isfinite(x) for x in scalars["train/loss"].values())
+    assert SHORT - 1 in scalars[own_scalar]
+    assert scalars["delay/mean"][SHORT - 1] == 2.0
+    if rule == "GRPO":
+        assert list(scalars["correction/eps"].values()) == [0.25] * SHORT
+    if rule == "A3PO_capped":
+        assert cli.model.correction.behavior_cap == 5.0
+    if rule == "VCPO":  # the step used the scheduled lr times this step's ESS factor, and only that step
+        for step, lr in enumerate(lrs.lrs):
+            scheduled = 2e-4 * 0.5 * (1 + math.cos(math.pi * step / SHORT))  # the default AdamW's, cosine to 0
+            assert lr == pytest.approx(scheduled * scalars["vcpo/lr_factor"][step], rel=1e-6)
+        assert len(lrs.lrs) == SHORT
+
+
+def fit_gmc_until_reward_rises(tmp_path: Path) -> None:
+    """The embedded default (GMC) from a bare folder, as the README runs it: reward rises, every scalar and the
+    checkpoint are written."""
     cmd = [sys.executable, "-m", "lit_gmc", "fit", "--data.schedule", "FixedDelay", "--data.schedule.delay",
            str(DELAY), "--trainer.max_steps", str(STEPS)]  # fmt: skip
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ})

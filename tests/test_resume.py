@@ -1,22 +1,48 @@
-"""Exact resume: a run stopped at step k and resumed from its checkpoint has the unbroken run's step records.
+"""Exact resume: a run stopped part-way and resumed from its checkpoint has the unbroken run's per-step records.
 
-Records compared per step: consumed batch id, its launch version, mean reward and loss (to 1e-6), and the
-schedule and delay scalars (virtual clock, queue depth, running delay moments). The DataModule's state
-(queues, in-flight batches with versions and behaviour log-probs, clock, counters, stream position) and the
-callbacks' states travel in the Lightning checkpoint, which loads with ``weights_only=True``.
+One matrix of stopped runs, rule x schedule x strategy x engine x how the run stops, each cell compared with a run
+that was never stopped. Records compared per step: consumed batch id and launch version (exactly), mean reward and
+loss (to 1e-6 in one process, 1e-5 across two), and the schedule and delay scalars; two-process kill -9 cells compare
+the scale-out tags of ``run_helpers.assert_reproduces``. The DataModule's state (queues, in-flight batches with
+versions and behaviour log-probs, clock, counters, stream position), the rule's and the callbacks' states travel in
+the Lightning checkpoint, which loads with ``weights_only=True``.
+
+Pairs of axes that can differ, and the cells that cover them:
+
+- schedule x stop: each schedule keeps a different state (FixedDelay's queue, VirtualClock's entries and clock, the
+  overlapped clock's in-flight launch, Live's claimed chunks); an exception and kill -9 resume from a periodic
+  checkpoint taken mid-queue, SIGTERM from the one it writes where it lands. FixedDelay x exception, SIGTERM and
+  kill -9; VirtualClock x exception and kill -9; the overlapped VirtualClock and Live x exception.
+- strategy x stop: two processes must stop at one step and write one checkpoint (a file under DDP, a folder of shards
+  under FSDP2 whose metadata comes last). DDP x SIGTERM to every rank and kill -9 of both; FSDP2 sharded x SIGTERM
+  to rank 1 only and kill -9; one process x all three.
+- rule x strategy and rule x stop: GMC keeps no state between updates, GAC keeps the previous update's gradient
+  (sharded under FSDP2). GAC x DDP x kill -9, GMC elsewhere; GAC x FSDP2 with one checkpoint file is ``extended``.
+- engine: every cell runs the in-process HF engine, whose only state is its weights and version, restored through
+  ``WeightSync`` from the learner's. The server engine's resume (weights re-sent to restarted servers) is
+  ``tests/test_vllm_serve.py``'s; the own-process HF runner holds the same state as the in-process one.
+
+Reference runs are shared: one per (schedule, config) in this module, and the two-process runs' single-process
+references (``single_process_runs`` in ``conftest.py``) with ``tests/test_scale_out.py``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from run_helpers import (
+    MICRO,
+    SCALE_OUT,
+    Ranks,
+    assert_reproduces,
     assert_same_records,
     component,
     fit,
@@ -26,12 +52,55 @@ from run_helpers import (
     write_config,
 )
 
-TOTAL, EVERY = 9, 3
+TOTAL, EVERY = 12, 3
+# batch_prompts 4: the one-process cells share their reference with the two-process SIGTERM cells (2 groups a rank)
 SCHEDULES = {
-    "fixed_delay": {"schedule": component("FixedDelay", delay=3)},
-    "virtual_clock": {"schedule": component("VirtualClock", lam=120.0, overlap=False)},
-    "virtual_clock_overlap": {"schedule": component("VirtualClock", lam=120.0, overlap=True)},
+    "fixed_delay": {"schedule": component("FixedDelay", delay=2), "batch_prompts": 4},
+    "virtual_clock": {"schedule": component("VirtualClock", lam=120.0, overlap=False), "batch_prompts": 4},
+    "virtual_clock_overlap": {"schedule": component("VirtualClock", lam=120.0, overlap=True), "batch_prompts": 4},
+    "live": {"schedule": component("Live"), "batch_prompts": 4},
 }
+STRATEGIES = {
+    "one": (),
+    "ddp": ("--trainer.devices", "2", "--trainer.strategy", "ddp"),
+    "fsdp2": ("--trainer.devices", "2", "--trainer.strategy", "fsdp2"),
+    # FSDP2 with a folder of per-rank shards per checkpoint (Lightning's distributed checkpoint)
+    "fsdp2_sharded": ("--trainer.devices", "2", "--trainer.strategy", "lit_gmc.strategies.FSDP2Strategy",
+                      "--trainer.strategy.save_distributed_checkpoint", "true"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cell:
+    rule: str
+    schedule: str  # a key of SCHEDULES, or "shipped" (configs/tiny.yaml's FixedDelay(8), the scale-out runs')
+    strategy: str  # a key of STRATEGIES
+    stop: str  # "exception", "kill -9", "SIGTERM" (to every rank), "SIGTERM rank 1"
+    engine: str = "hf"
+
+    def __str__(self) -> str:
+        return "-".join((self.rule, self.schedule, self.strategy, self.engine, self.stop.replace(" ", "")))
+
+
+def cell(*args: str, marks=()) -> pytest.param:
+    case = Cell(*args)
+    return pytest.param(case, id=str(case), marks=marks)
+
+
+MATRIX = [
+    cell("gmc", "fixed_delay", "one", "exception"),
+    cell("gmc", "virtual_clock", "one", "exception"),
+    cell("gmc", "virtual_clock_overlap", "one", "exception", marks=pytest.mark.slow),
+    cell("gmc", "live", "one", "exception"),
+    cell("gmc", "virtual_clock", "one", "kill -9", marks=pytest.mark.slow),
+    cell("gmc", "fixed_delay", "one", "SIGTERM"),
+    cell("gmc", "fixed_delay", "ddp", "SIGTERM", marks=pytest.mark.slow),
+    cell("gmc", "fixed_delay", "fsdp2_sharded", "SIGTERM rank 1", marks=pytest.mark.slow),
+    cell("gac", "shipped", "ddp", "kill -9", marks=pytest.mark.slow),
+    cell("gmc", "shipped", "fsdp2_sharded", "kill -9", marks=pytest.mark.slow),
+    # FSDP2 with one full checkpoint file: written as under DDP, so left to the extended run for CI's time
+    cell("gac", "shipped", "fsdp2", "kill -9", marks=(pytest.mark.slow, pytest.mark.extended)),
+]
 
 
 class CrashAt(pl.Callback):
@@ -45,118 +114,151 @@ class CrashAt(pl.Callback):
             raise RuntimeError("simulated crash")
 
 
-@pytest.mark.parametrize(
-    "schedule", [s if s != "virtual_clock_overlap" else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES]
-)
-def test_crash_and_resume_gives_the_unbroken_records(tmp_path, schedule):
-    options = SCHEDULES[schedule]
-    fit(write_config(tmp_path, "unbroken", total=TOTAL, every=EVERY, **options))
-    config = write_config(tmp_path, "broken", total=TOTAL, every=EVERY, **options)
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """``unbroken(schedule)``: the records of the never-stopped one-process run of a :data:`SCHEDULES` entry (without
+    checkpoints: a checkpoint must change no record), made once per module."""
+    made: dict[str, dict] = {}
+
+    def get(schedule: str) -> dict:
+        if schedule not in made:
+            root = tmp_path_factory.mktemp(schedule)
+            fit(write_config(root, "unbroken", total=TOTAL, **SCHEDULES[schedule]))
+            made[schedule] = records(root / "unbroken")
+        return made[schedule]
+
+    return get
+
+
+def logged_steps(run_dir: Path) -> int:
+    """Steps whose records are on disk so far (0 before the event file exists)."""
+    try:
+        return len(records(run_dir))
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for(condition, process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_a_stopped_run_resumed_from_its_checkpoint_has_the_unbroken_records(tmp_path, unbroken, request, case):
+    if case.schedule == "shipped":  # the session's references, made only when a cell needs them
+        stop_two_processes_with_kill_9(tmp_path, case, request.getfixturevalue("single_process_runs")[case.rule])
+    elif case.stop == "exception":
+        stop_with_an_exception(tmp_path, case, unbroken)
+    elif case.stop == "kill -9":
+        stop_one_process_with_kill_9(tmp_path, case, unbroken(case.schedule))
+    elif case.strategy == "one":
+        stop_one_process_with_sigterm(tmp_path, case, unbroken(case.schedule))
+    else:
+        stop_two_processes_with_sigterm(tmp_path, case, unbroken(case.schedule))
+
+
+def stop_with_an_exception(tmp_path: Path, case: Cell, unbroken) -> None:
+    """Fails in this process at update ``EVERY + 2``; the checkpoint at ``EVERY`` holds batches generated but not yet
+    consumed, with their versions and float32 behaviour log-probs."""
+    config = write_config(tmp_path, "broken", total=TOTAL, every=EVERY, **SCHEDULES[case.schedule])
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(config, callbacks=[CrashAt(EVERY + 2)])
-    last = tmp_path / "broken" / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(last, weights_only=True)  # plain containers and tensors only
-    assert checkpoint["global_step"] == EVERY
-    data_state = checkpoint["RolloutDataModule"]
-    queued = data_state["schedule"]["queue" if schedule == "fixed_delay" else "entries"]
-    assert queued, "the checkpoint should hold batches generated but not yet consumed"
-    group = (queued[0] if schedule == "fixed_delay" else queued[0]["batch"])[0]
-    assert group["behavior_logprobs"].dtype == torch.float32 and group["version"] <= EVERY
+    if case.schedule != "live":
+        last = tmp_path / "broken" / "checkpoints" / "last.ckpt"
+        checkpoint = torch.load(last, weights_only=True)  # plain containers and tensors only
+        assert checkpoint["global_step"] == EVERY
+        data_state = checkpoint["RolloutDataModule"]
+        queued = data_state["schedule"]["queue" if case.schedule == "fixed_delay" else "entries"]
+        assert queued, "the checkpoint should hold batches generated but not yet consumed"
+        group = (queued[0] if case.schedule == "fixed_delay" else queued[0]["batch"])[0]
+        assert group["behavior_logprobs"].dtype == torch.float32 and group["version"] <= EVERY
     fit(config, "--ckpt_path", "last")
-    assert_same_records(records(tmp_path / "broken"), records(tmp_path / "unbroken"))
+    rec = records(tmp_path / "broken")
+    if case.schedule == "live":  # threads make Live's records differ from run to run
+        # One worker generating whole batches: update n consumes launch n, whatever happened in between.
+        assert [rec[s]["schedule/batch_id"] for s in range(TOTAL)] == [float(s) for s in range(TOTAL)]
+    else:
+        assert_same_records(rec, unbroken(case.schedule))
 
 
-def test_live_resume_loses_and_repeats_no_batch(tmp_path):
-    config = write_config(tmp_path, "live", total=TOTAL, every=EVERY, schedule=component("Live"))
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        fit(config, callbacks=[CrashAt(EVERY + 2)])
-    fit(config, "--ckpt_path", "last")
-    rec = records(tmp_path / "live")
-    # One worker generating whole batches: update n consumes launch n, whatever happened in between.
-    assert [rec[s]["schedule/batch_id"] for s in range(TOTAL)] == [float(s) for s in range(TOTAL)]
-
-
-@pytest.mark.slow
-def test_kill_9_then_ckpt_path_last_gives_the_unbroken_records(tmp_path):
-    """A virtual_clock run killed with SIGKILL mid-way and resumed with ``--ckpt_path last`` from the shell."""
-    total = 12
-    options = {"schedule": component("VirtualClock", lam=120.0)}
-    unbroken = run_subprocess(write_config(tmp_path, "unbroken", total=total, every=EVERY, **options))
-    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
-    config = write_config(tmp_path, "killed", total=total, every=EVERY, **options)
-    # Killed as soon as last.ckpt appears (atomically, once the first checkpoint is written): the step records up to
-    # the checkpoint must already be on disk, since the resumed run starts after them.
+def stop_one_process_with_kill_9(tmp_path: Path, case: Cell, want: dict) -> None:
+    """``python -m lit_gmc fit`` killed with SIGKILL as soon as ``last.ckpt`` appears (atomically, once the first
+    checkpoint is written), resumed with ``--ckpt_path last`` from the shell: the step records up to the checkpoint
+    must already be on disk, since the resumed run starts after them."""
+    config = write_config(tmp_path, "killed", total=TOTAL, every=EVERY, **SCHEDULES[case.schedule])
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
     process = subprocess.Popen(fit_command(config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not last.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(last.exists, process)
     process.kill()  # SIGKILL: no handler, no teardown, no final checkpoint
     _, stderr = process.communicate()
     assert process.returncode == -9, f"the run ended before it could be killed:\n{stderr[-3000:]}"
-    steps_logged = records(tmp_path / "killed")
-    assert max(steps_logged) < total - 1, "the kill should interrupt the run"
+    assert max(records(tmp_path / "killed")) < TOTAL - 1, "the kill should interrupt the run"
     resumed = run_subprocess(config, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
-    assert_same_records(records(tmp_path / "killed"), records(tmp_path / "unbroken"))
+    assert_same_records(records(tmp_path / "killed"), want)
 
 
-def test_ckpt_path_last_without_a_checkpoint_starts_fresh(tmp_path):
-    """``--ckpt_path last`` is safe to always pass: with no checkpoint yet, the run simply starts."""
-    config = write_config(tmp_path, "fresh", total=2, every=EVERY, schedule=component("FixedDelay", delay=1))
+def stop_one_process_with_sigterm(tmp_path: Path, case: Cell, want: dict) -> None:
+    """SIGTERM (a cluster reclaiming the node) saves ``last.ckpt`` between two updates and exits with 143. No periodic
+    checkpoint and save_last off: the checkpoint to resume from can only be SIGTERM's."""
+    config = write_config(tmp_path, "preempted", total=TOTAL, **SCHEDULES[case.schedule])
+    process = subprocess.Popen(fit_command(config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_steps(tmp_path / "preempted") >= 3, process)
+    process.send_signal(signal.SIGTERM)  # most likely mid-update: the run finishes that update first
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 143, f"exit status {process.returncode}:\n{stderr[-3000:]}"
+    folder = tmp_path / "preempted" / "checkpoints"
+    assert [p.name for p in folder.iterdir()] == ["last.ckpt"], "only the checkpoint, no temporary file"
+    stopped = torch.load(folder / "last.ckpt", weights_only=True)["global_step"]
+    assert 3 <= stopped < TOTAL and f"SIGTERM: saved {folder / 'last.ckpt'} at step {stopped}" in stderr
+    assert max(records(tmp_path / "preempted")) == stopped - 1, "records up to the checkpoint, none after"
     fit(config, "--ckpt_path", "last")
-    assert sorted(records(tmp_path / "fresh")) == [0, 1]
-    assert Path(tmp_path / "fresh" / "checkpoints" / "last.ckpt").exists()
+    assert_same_records(records(tmp_path / "preempted"), want)
 
 
-@pytest.mark.slow
-def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_that_long(tmp_path, monkeypatch):
-    """A 4-update run resumed with --trainer.max_steps 7: from its last checkpoint (taken in FixedDelay's drain)
-    the resume is refused, saying how to extend; from its checkpoint at update 2 (before the drain) it gives the
-    records of a 7-update run; --data.refill_on_extend true goes on from a drained checkpoint with a new fill.
+def stop_two_processes_with_sigterm(tmp_path: Path, case: Cell, want: dict) -> None:
+    """SIGTERM to both processes (a preempted node) or to one: both stop after the same update, the checkpoint (a
+    file, or a folder of shards) is written once, both exit with 143, and two processes resume from it."""
+    config = write_config(tmp_path, "preempted", total=TOTAL, **SCHEDULES[case.schedule])
+    strategy = STRATEGIES[case.strategy][2:]  # Ranks passes --trainer.devices
+    ranks = Ranks(config, *strategy, logs=tmp_path)
+    wait_for(lambda: logged_steps(tmp_path / "preempted") >= 3, ranks.processes[0], seconds=240)
+    for process in ranks.processes if case.stop == "SIGTERM" else ranks.processes[1:]:
+        process.send_signal(signal.SIGTERM)
+    codes, stderr = ranks.wait(timeout=240), ranks.stderr()
+    assert codes == [143, 143], f"exit statuses {codes}:\n{stderr[-3000:]}\n{ranks.stderr(1)[-2000:]}"
+    folder = tmp_path / "preempted" / "checkpoints"
+    assert [p.name for p in folder.iterdir()] == ["last.ckpt"], "only the checkpoint, no temporary file"
+    meta = folder / "last.ckpt" / "meta.pt" if case.strategy == "fsdp2_sharded" else None
+    stopped = torch.load(meta or folder / "last.ckpt", weights_only=True)["global_step"]
+    assert 3 <= stopped < TOTAL and stderr.count("SIGTERM: saved") == 1
+    assert max(records(tmp_path / "preempted")) == stopped - 1, "records up to the checkpoint, none after"
+    resumed = Ranks(config, *strategy, "--ckpt_path", "last", logs=tmp_path)
+    assert resumed.wait(timeout=300) == [0, 0], resumed.stderr()[-3000:]
+    assert_same_records(records(tmp_path / "preempted"), want, tol=1e-5)
 
-    The learning rate follows ``--lr_scheduler.total_steps`` (else each invocation's --trainer.max_steps), set to
-    the final length here so that the rates, and so the records, match the 7-update run."""
-    from test_first_hour import main_error_line
 
-    options = {"every": 2, "schedule": component("FixedDelay", delay=2)}
-    lr = ("--lr_scheduler.total_steps", "7")
-    fit(write_config(tmp_path, "planned", total=7, **options), *lr)
-    config = write_config(tmp_path, "extended", total=4, **options)
-    fit(config, *lr)
-    assert main_error_line(monkeypatch, "fit", "--config", str(config), *lr, "--trainer.max_steps", "7",
-                           "--ckpt_path", "last") == (
-        "lit_gmc: error: --trainer.max_steps 7 extends a run planned for 4 updates, but its checkpoint (at update 4) "
-        "was taken after FixedDelay began its drain at update 2 (it stopped generating for the planned end), a state "
-        "no run planned for 7 updates reaches. To extend it as if planned for 7 from the start, resume from a "
-        "checkpoint at or before update 2 (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or "
-        "add --data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
-        "restart from 0)"
+def stop_two_processes_with_kill_9(tmp_path: Path, case: Cell, want: Path) -> None:
+    """Both processes killed (the node dies) once the checkpoint at step ``2 * every`` is written; resumed from the
+    shell, and compared with the single-process run of the same config."""
+    total, every = SCALE_OUT["total"], SCALE_OUT["every"]
+    config = write_config(tmp_path, "killed", **SCALE_OUT)
+    args = (*STRATEGIES[case.strategy], *MICRO, "--model.correction", case.rule.upper())
+    checkpoint = tmp_path / "killed" / "checkpoints" / f"epoch=0-step={2 * every}.ckpt"
+    if case.strategy == "fsdp2_sharded":
+        checkpoint = checkpoint / "meta.pt"  # written by rank 0 after every shard
+    process = subprocess.Popen(
+        fit_command(config, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: rank 0 and the rank 1 it launches die together
     )  # fmt: skip
-    (before_drain,) = (tmp_path / "extended" / "checkpoints").glob("*step=2.ckpt")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fit(config, *lr, "--trainer.max_steps", "7", "--ckpt_path", str(before_drain))
-    assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its own folder: no warning
-    assert_same_records(records(tmp_path / "extended"), records(tmp_path / "planned"))
-
-    fit(config, *lr, "--trainer.max_steps", "9", "--data.refill_on_extend", "true", "--ckpt_path", "last")
-    rec = records(tmp_path / "extended")
-    assert [rec[s]["schedule/batch_id"] for s in range(9)] == [float(s) for s in range(9)]  # each launch once
-    # the drained queue is refilled from the current policy: delays 0, 1 after update 7, as at a start
-    assert [rec[s]["delay/max"] for s in range(9)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0]
-    assert [rec[s]["schedule/draining"] for s in range(9)] == [0.0] * 5 + [1.0, 1.0, 1.0, 1.0]
-
-
-def test_lightning_s_non_empty_folder_warning_is_kept_for_a_run_that_does_not_resume(tmp_path):
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    from lit_gmc.checkpoint import RunCheckpoint
-
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "other.ckpt").write_text("")
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[RunCheckpoint(dirpath=tmp_path / "ckpt")], default_root_dir=tmp_path)  # fmt: skip
-    with pytest.warns(UserWarning, match=f"Checkpoint directory {tmp_path / 'ckpt'} exists and is not empty"):
-        trainer.fit(BoringModel())
+    wait_for(checkpoint.exists, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -9, f"the run ended before it could be killed:\n{stderr[-3000:]}"
+    assert max(records(tmp_path / "killed")) < total - 1, "the kill should interrupt the run"
+    resumed = run_subprocess(config, *args, "--ckpt_path", "last", timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
+    assert_reproduces(tmp_path / "killed", want)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import component, fit, records, write_config
+from run_helpers import assert_same_records, component, fit, main_error_line, records, write_config
 from test_cli import parse
 
 import lit_gmc.resume
@@ -194,3 +196,48 @@ def test_each_class_declares_the_options_a_resume_may_change_and_resume_names_no
     saved = settings_of("--data.schedule", "Live")
     now = settings_of("--data.schedule", "Live", "--data.schedule.join_timeout_s", "5", "--data.schedule.workers", "2")
     assert changed_settings(saved, now, OPTION_OWNERS) == ["--data.schedule.workers: 1 in the checkpoint, 2 now"]
+
+
+def test_ckpt_path_last_without_a_checkpoint_starts_fresh(tmp_path):
+    """``--ckpt_path last`` is safe to always pass: with no checkpoint yet, the run simply starts."""
+    config = write_config(tmp_path, "fresh", total=2, every=3, schedule=component("FixedDelay", delay=1))
+    fit(config, "--ckpt_path", "last")
+    assert sorted(records(tmp_path / "fresh")) == [0, 1]
+    assert Path(tmp_path / "fresh" / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_that_long(tmp_path, monkeypatch):
+    """A 4-update run resumed with --trainer.max_steps 7: from its last checkpoint (taken in FixedDelay's drain)
+    the resume is refused, saying how to extend; from its checkpoint at update 2 (before the drain) it gives the
+    records of a 7-update run; --data.refill_on_extend true goes on from a drained checkpoint with a new fill.
+
+    The learning rate follows ``--lr_scheduler.total_steps`` (else each invocation's --trainer.max_steps), set to
+    the final length here so that the rates, and so the records, match the 7-update run."""
+    options = {"every": 2, "schedule": component("FixedDelay", delay=2)}
+    lr = ("--lr_scheduler.total_steps", "7")
+    fit(write_config(tmp_path, "planned", total=7, **options), *lr)
+    config = write_config(tmp_path, "extended", total=4, **options)
+    fit(config, *lr)
+    assert main_error_line(monkeypatch, "fit", "--config", str(config), *lr, "--trainer.max_steps", "7",
+                           "--ckpt_path", "last") == (
+        "lit_gmc: error: --trainer.max_steps 7 extends a run planned for 4 updates, but its checkpoint (at update 4) "
+        "was taken after FixedDelay began its drain at update 2 (it stopped generating for the planned end), a state "
+        "no run planned for 7 updates reaches. To extend it as if planned for 7 from the start, resume from a "
+        "checkpoint at or before update 2 (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or "
+        "add --data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
+        "restart from 0)"
+    )  # fmt: skip
+    (before_drain,) = (tmp_path / "extended" / "checkpoints").glob("*step=2.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(config, *lr, "--trainer.max_steps", "7", "--ckpt_path", str(before_drain))
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its own folder: no warning
+    assert_same_records(records(tmp_path / "extended"), records(tmp_path / "planned"))
+
+    fit(config, *lr, "--trainer.max_steps", "9", "--data.refill_on_extend", "true", "--ckpt_path", "last")
+    rec = records(tmp_path / "extended")
+    assert [rec[s]["schedule/batch_id"] for s in range(9)] == [float(s) for s in range(9)]  # each launch once
+    # the drained queue is refilled from the current policy: delays 0, 1 after update 7, as at a start
+    assert [rec[s]["delay/max"] for s in range(9)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0]
+    assert [rec[s]["schedule/draining"] for s in range(9)] == [0.0] * 5 + [1.0, 1.0, 1.0, 1.0]

@@ -1,12 +1,17 @@
 import pickle
+import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 
 from lit_gmc.data.tasks import verifier as rewards
+from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.data.tasks.reward import Reward
 from lit_gmc.data.tasks.verifier import MathVerifier
+from lit_gmc.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +141,66 @@ def test_the_reward_module_imports_neither_torch_nor_transformers():
     code = "import sys, lit_gmc.data.tasks.verifier; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def native(completions, answer):
+    return [float(c == answer) for c in completions]
+
+
+def trl_style(prompts, completions, **kwargs):
+    # TRL passes per-completion lists by keyword: one per dataset column (here the answer)
+    return [float(p.endswith("=") and c == a) for p, c, a in zip(prompts, completions, kwargs["answer"], strict=True)]
+
+
+def completions_only(completions, **kwargs):
+    return [float(c == a) for c, a in zip(completions, kwargs["answer"], strict=True)]
+
+
+@pytest.mark.parametrize("function", [native, trl_style, completions_only])
+def test_native_and_trl_reward_functions_give_the_same_rewards(function):
+    reward = Reward(function, "f")
+    assert reward(["3", "4", " 3"], "3", "1+2=") == [1.0, 0.0, 0.0]
+
+
+def test_the_task_s_score_is_the_reward_unless_one_is_given():
+    task = Addition(max_operand=3)
+    assert Reward.of(None, task)(["3", "x"], "3") == [1.0, 0.0]
+    assert Reward.of(native, task).name == f"--data.reward {__name__}.native"
+
+
+def takes_three(completions, answer, extra):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [(None, r"returned None for 2 completions; it must return a list of 2 numbers"),
+     (1.0, r"returned 1.0 for 2 completions"),
+     ([1.0], r"returned 1 values for 2 completions"),
+     ([1.0, "yes"], r"returned 'yes' among its rewards")],
+)  # fmt: skip
+def test_a_bad_return_is_one_message_naming_the_function(returned, message):
+    reward = Reward(lambda completions, answer: returned, "--data.reward my.bad_reward")
+    convention = re.escape(", called as f(completions, answer), ")
+    with pytest.raises(UserError, match=r"^reward --data.reward my.bad_reward" + convention + message):
+        reward(["a", "b"], "a")
+
+
+def test_a_wrong_signature_is_refused_when_the_datamodule_is_built():
+    from run_helpers import tiny_data
+
+    with pytest.raises(UserError, match=r"reward --data.reward .*takes_three\(completions, answer, extra\) takes "
+                                        r"neither \(completions, answer\) nor TRL's keywords"):  # fmt: skip
+        tiny_data(reward=takes_three)
+
+
+def test_rewards_outside_0_1_warn_once_with_the_values():
+    reward = Reward(lambda completions, answer: [5.0, -1.0], "wide")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert reward(["a", "b"], "a") == [5.0, -1.0]
+        reward(["a", "b"], "a")
+    assert [str(w.message) for w in caught] == [
+        "reward wide returned [5.0, -1.0] outside [0, 1], the range Task.score documents; they are used as they are "
+        "(this warning is shown once)"
+    ]

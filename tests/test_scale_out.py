@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
-from run_helpers import Ranks, fit_command, records, run_subprocess, tiny_data, write_config
+from run_helpers import MICRO, SCALE_OUT, Ranks, assert_reproduces, fit_command, run_subprocess, tiny_data, write_config
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
@@ -29,87 +27,22 @@ from lit_gmc.distributed import gather_groups
 from lit_gmc.module import GMCModule
 from lit_gmc.rules import VCPO
 from lit_gmc.strategies import FSDP2Strategy
-from lit_gmc.tblog import read_scalars
 
 pytestmark = pytest.mark.slow
-TOTAL, EVERY = 20, 4
-EXACT = ("schedule/batch_id", "schedule/launch_version", "train/reward", "delay/mean", "delay/max")
-CLOSE = ("train/loss", "train/grad_norm", "diag/ess/mean", "gac/cosine")
+TOTAL, EVERY = SCALE_OUT["total"], SCALE_OUT["every"]
 STRATEGIES = {"ddp": ("--trainer.strategy", "ddp"), "fsdp2": ("--trainer.strategy", "fsdp2")}
-SHARDED = (  # FSDP2 with a folder of per-rank shards per checkpoint (Lightning's distributed checkpoint)
-    "--trainer.strategy", "lit_gmc.strategies.FSDP2Strategy", "--trainer.strategy.save_distributed_checkpoint", "true"
-)  # fmt: skip
 TWO = ("--trainer.devices", "2")
-# Two groups per rank, one group per backward pass: DDP then skips the all-reduce of all but the last micro-batch.
-MICRO = ("--model.micro_batch_groups", "1")
 
 
-def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    return {tag: dict(points) for tag, points in read_scalars(run_dir).items()}
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> dict[str, Path]:
-    """The single-process reference run of each rule."""
-    root = tmp_path_factory.mktemp("single")
-    runs = {}
-    for rule in ("gmc", "gac"):
-        config = write_config(root, rule, total=TOTAL, every=EVERY, batch_prompts=4)
-        done = run_subprocess(config, *MICRO, "--model.correction", rule.upper())
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[rule] = root / rule
-    return runs
-
-
-def assert_reproduces(got: Path, want: Path, tol: float = 1e-5) -> None:
-    got_scalars, want_scalars = scalars(got), scalars(want)
-    assert sorted(want_scalars["train/reward"]) == list(range(TOTAL))
-    for tag in EXACT:
-        assert got_scalars[tag] == want_scalars[tag], f"{tag} differs"
-    for tag in CLOSE:
-        if tag not in want_scalars:
-            continue
-        assert sorted(got_scalars[tag]) == sorted(want_scalars[tag]), f"{tag}: steps differ"
-        for step, value in want_scalars[tag].items():
-            assert abs(got_scalars[tag][step] - value) <= tol * max(1.0, abs(value)), f"{tag} step {step}"
-
-
-# Each strategy runs each rule once, here or in the kill -9 test below (whose records, half written before the kill
-# and half after the resume, are compared with the single-process run in the same way): CI time is what limits.
+# Each strategy runs each rule once, here or in the kill -9 cells of tests/test_resume.py (whose records, half written
+# before the kill and half after the resume, are compared with the single-process run in the same way): CI time is
+# what limits.
 @pytest.mark.parametrize(("strategy", "rule"), [("ddp", "gmc"), ("fsdp2", "gac")])
-def test_two_processes_reproduce_the_single_process_run(tmp_path, single, strategy, rule):
+def test_two_processes_reproduce_the_single_process_run(tmp_path, single_process_runs, strategy, rule):
     config = write_config(tmp_path, "two", total=TOTAL, every=EVERY, batch_prompts=4)
     done = run_subprocess(config, *TWO, *STRATEGIES[strategy], *MICRO, "--model.correction", rule.upper(), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_reproduces(tmp_path / "two", single[rule])
-
-
-@pytest.mark.parametrize(
-    ("strategy", "rule"),
-    [("ddp", "gac"), ("fsdp2_sharded", "gmc"), pytest.param("fsdp2", "gac", marks=pytest.mark.extended)],
-)  # FSDP2 with one full checkpoint file: extended, for CI's time (the file is written as under DDP)
-def test_kill_9_of_two_processes_then_ckpt_path_last_gives_the_unbroken_records(tmp_path, single, strategy, rule):
-    """Both processes killed (the node dies) once the checkpoint at step 8 is written; resumed from the shell."""
-    config = write_config(tmp_path, "killed", total=TOTAL, every=EVERY, batch_prompts=4)
-    args = (*TWO, *STRATEGIES.get(strategy, SHARDED), *MICRO, "--model.correction", rule.upper())
-    checkpoint = tmp_path / "killed" / "checkpoints" / f"epoch=0-step={2 * EVERY}.ckpt"
-    if strategy == "fsdp2_sharded":
-        checkpoint = checkpoint / "meta.pt"  # written by rank 0 after every shard
-    process = subprocess.Popen(
-        fit_command(config, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # its own process group: rank 0 and the rank 1 it launches die together
-    )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
-    _, stderr = process.communicate()
-    assert process.returncode == -9, f"the run ended before it could be killed:\n{stderr[-3000:]}"
-    assert max(records(tmp_path / "killed")) < TOTAL - 1, "the kill should interrupt the run"
-    resumed = run_subprocess(config, *args, "--ckpt_path", "last", timeout=400)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
-    assert_reproduces(tmp_path / "killed", single[rule])
+    assert_reproduces(tmp_path / "two", single_process_runs[rule])
 
 
 PROBE = '''
@@ -253,7 +186,7 @@ class SlowRank0(pl.Callback):
 '''
 
 
-def test_ranks_wait_for_a_slow_rank_0_beyond_the_strategy_timeout(tmp_path, single):
+def test_ranks_wait_for_a_slow_rank_0_beyond_the_strategy_timeout(tmp_path, single_process_runs):
     """Rank 0 busy for longer than --trainer.strategy.timeout three times: the first batch, before an update and
     after one that is checkpointed. The other rank waits on the long-timeout channel and the run is the
     single-process run. (Before the channel, rank 1 timed out in scatter_object_list during the first batch.)"""
@@ -273,7 +206,7 @@ def test_ranks_wait_for_a_slow_rank_0_beyond_the_strategy_timeout(tmp_path, sing
     ranks = Ranks(config, *args, logs=tmp_path, env=env)
     assert ranks.wait(timeout=400) == [0, 0], ranks.stderr()[-3000:] + ranks.stderr(1)[-3000:]
     assert time.monotonic() - started > 3 * slow
-    assert_reproduces(tmp_path / "slow", single["gmc"])
+    assert_reproduces(tmp_path / "slow", single_process_runs["gmc"])
 
 
 def gather_shares(rank: int, init: str, batch: RolloutBatch, out: str) -> None:

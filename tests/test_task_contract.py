@@ -11,8 +11,7 @@ import warnings
 
 import pytest
 import torch
-from run_helpers import write_config
-from test_first_hour import main_error_line
+from run_helpers import main_error_line, write_config
 
 from lit_gmc.batch import RolloutGroup, collate_groups
 from lit_gmc.callbacks.samples import Samples
@@ -188,3 +187,36 @@ def test_a_task_s_own_chat_template_option_points_to_the_datamodule_switch(tmp_p
     line = main_error_line(monkeypatch, "fit", "--config", str(config), "--data.task.chat_template", "true")
     assert line.startswith("lit_gmc: error: --data.task.chat_template: LetterCount has no option chat_template"), line
     assert line.endswith("every task's prompts are wrapped by the DataModule's switch, --data.chat_template true"), line
+
+
+NONE_TASK = """
+from collections.abc import Sequence
+
+from lit_gmc.data.tasks.addition import Addition
+from lit_gmc.data.tasks.base import Prompt
+
+
+class NoneScore:
+    def __init__(self) -> None:
+        self.addition = Addition(max_operand=9)
+
+    def train_prompts(self) -> Sequence[Prompt]:
+        return self.addition.train_prompts()
+
+    def test_prompts(self) -> Sequence[Prompt]:
+        return self.addition.test_prompts()
+
+    def score(self, completions: Sequence[str], answer: str) -> list[float]:
+        return None  # the mistake: a forgotten return
+"""
+
+
+def test_a_plug_in_task_whose_score_returns_none_is_one_line_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "none_task.py").write_text(textwrap.dedent(NONE_TASK))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_config(tmp_path, "none", total=2, task={"class_path": "none_task.NoneScore"})
+    assert main_error_line(monkeypatch, "fit", "--config", str(config)) == (
+        "lit_gmc: error: reward NoneScore.score (the task's reward), called as f(completions, answer), returned None "
+        "for 4 completions; it must return a list of 4 numbers, one reward per completion"
+    )
+    assert not list((tmp_path / "none").glob("version_*"))  # a run failed before its first update is no run to list

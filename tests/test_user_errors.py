@@ -20,6 +20,7 @@ import datasets
 import lightning.pytorch as pl
 import pytest
 import torch
+from run_helpers import parse_problems
 
 from lit_gmc.actor import build_char_tokenizer, load_actor
 from lit_gmc.callbacks.evaluation import Evaluation
@@ -197,3 +198,41 @@ def test_the_math_task_s_tokenizer_option_is_named(tmp_path):
     done = lit_gmc(*fit_args(tmp_path, "--data.task", "Math", "--data.task.path", str(tmp_path / "train.jsonl"),
                              "--data.task.tokenizer", missing))  # fmt: skip
     assert one_line_error(done).startswith(f"lit_gmc: error: --data.task.tokenizer {missing}: no such model folder")
+
+
+def test_unknown_components_list_the_known_classes_with_every_other_bad_option():
+    message = parse_problems("--data.schedule", "nonsense", "--data.engine", "Nope", "--data.group_size", "1")
+    assert "--data.schedule=nonsense is not a class: one of FixedDelay, Live, Sync, VirtualClock, or" in message
+    assert "--data.engine=Nope is not a class: one of HFEngine, VLLMEngine" in message
+    assert "--data.group_size=1 must be >= 2" in message
+
+
+def test_a_misspelt_reward_path_says_cannot_import_it():
+    message = parse_problems("--data.reward", "lit_gmc.data.tasks.base.exact_matc")
+    path = "lit_gmc.data.tasks.base.exact_matc"
+    assert f"--data.reward={path}: cannot import {path} (module 'lit_gmc.data.tasks.base' has no attribute" in message
+
+
+@pytest.mark.parametrize(("content", "found"), [("", "nothing (an empty file)"), ("- a\n", "a list")])
+def test_a_config_file_that_is_no_mapping_is_named(tmp_path, content, found):
+    path = tmp_path / "empty.yaml"
+    path.write_text(content)
+    assert parse_problems("--config", str(path)) == (
+        f"--config {path}: holds {found}; a config is a mapping of options (trainer:, model:, data:, ...)"
+    )
+
+
+def test_progress_every_and_the_prompt_budget_below_one_are_refused():
+    assert "--progress_every=0 must be >= 1" in parse_problems("--progress_every", "0")
+    assert "--data.max_prompt_tokens=0 must be >= 1" in parse_problems("--data.max_prompt_tokens", "0")
+
+
+def test_lightning_s_misconfiguration_is_a_user_error():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lit_gmc.__main__ import user_error_in
+
+    assert user_error_in(RuntimeError("a bug")) is None  # a bug stays a bug
+    wrapped = ValueError("outer")
+    wrapped.__cause__ = MisconfigurationException("No supported gpu backend found!\n")
+    assert str(user_error_in(wrapped)) == "No supported gpu backend found!"
