@@ -4,7 +4,7 @@ Lightning's stock ``TensorBoardLogger`` hands records to a writer thread through
 system, a buffer flushed every two minutes), and a run resumed with ``--ckpt_path last`` starts after the
 checkpoint's step, so records still queued when a ``kill -9`` lands would be lost for good. ``RunCheckpoint``
 saves every logger before a checkpoint file is written. (The end-to-end form, a ``python -m lit_gmc`` run killed
-and resumed, is in ``test_resume.py`` and ``test_preemption.py``.)
+and resumed, is in ``test_resume.py``'s matrix.)
 """
 
 from __future__ import annotations

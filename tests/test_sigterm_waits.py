@@ -3,7 +3,7 @@
 Two learner processes (DDP, gloo), started as torchrun starts them, on the shipped ``configs/tiny.yaml``: after update
 ``HANG_AFTER`` rank 0's reward hangs (:func:`hangs`), so rank 0 waits in the reward and rank 1 waits for its share in
 the rank-0 channel's collective. SIGTERM to rank 0 (the reward's wait) or to rank 1 (the collective's; both at once
-between two updates is tests/test_preemption.py's case): every rank exits with 143 within seconds, ``last.ckpt``
+between two updates is a cell of tests/test_resume.py's matrix): every rank exits with 143 within seconds, ``last.ckpt``
 holds the last whole update and ``--ckpt_path last`` gives the records of an unbroken run. The time from the signal
 to the last rank's exit is printed (``-s``).
 
