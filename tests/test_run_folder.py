@@ -19,7 +19,9 @@ def test_a_resumed_run_continues_its_tensorboard_version_and_counts_from_the_res
     assert sorted(p.name for p in (tmp_path / "resumed").glob("version_*")) == ["version_0"]  # one run in TensorBoard
     events = EventAccumulator(str(tmp_path / "resumed" / "version_0"))
     events.Reload()
-    assert [event.step for event in events.Scalars("train/reward")] == [0, 1, 2, 3]
+    # Sorted: both runs write from this one process, and TensorBoard orders their event files by name (timestamp
+    # in seconds, then a per-process counter compared as text), which puts the second file first now and then.
+    assert sorted(event.step for event in events.Scalars("train/reward")) == [0, 1, 2, 3]
     names = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
     assert names[-1] == "last.ckpt" and not any(name.startswith("last-") for name in names), names  # no last-v1
 
