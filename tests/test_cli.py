@@ -348,7 +348,7 @@ def test_the_default_progress_bar_counts_updates_and_a_configured_one_is_kept(tm
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.stdout", io.StringIO())
-    monkeypatch.setattr("sys.stdout.isatty", lambda: True)  # in a terminal (tests/test_first_hour.py: elsewhere)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)  # in a terminal (tests/test_progress.py: elsewhere)
     trainer = BuildOnlyCLI(args=["fit", "--trainer.max_steps", "3"]).trainer
     bar = trainer.progress_bar_callback
     assert type(bar) is UpdateProgressBar and bar._get_train_description(0) == "updates"
