@@ -27,10 +27,11 @@ from lit_gmc.errors import UserError, first_line
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file in the target folder, fsync it, then ``os.replace`` it into place.
+    """Write to a temporary file in the target folder, fsync it, ``os.replace`` it into place, fsync the folder.
 
     Lightning's ``TorchCheckpointIO`` writes the target file in place, through fsspec, so a process killed mid-save
-    leaves a truncated checkpoint where the previous good one was; no Lightning plugin stages and renames.
+    leaves a truncated checkpoint where the previous good one was; no Lightning plugin stages and renames. The
+    rename itself is an entry of the folder: until the folder is synced, a power cut may undo it.
     """
 
     @override
@@ -46,20 +47,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(staging, path)
+            fsync_path(path.parent)
         except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
             raise write_error(path, err) from err
         finally:
             staging.unlink(missing_ok=True)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's bytes, or a folder's entries (the names a rename made), to the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def write_error(path: Path, err: BaseException) -> UserError:
-    """One line for a checkpoint that could not be written (a full disk, most often), naming its path."""
+    """One line for a checkpoint that could not be written (a full disk, most often), naming its path.
+
+    The path is a file, or a folder of shards.
+    """
     free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else None
     cause = first_line(err) if not isinstance(err, OSError) or not err.strerror else err.strerror
     space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
     return UserError(
         f"checkpoint {path} could not be written ({cause}{space}); earlier checkpoints are intact (a checkpoint is "
-        "written to a temporary file, then renamed): free some space and resume with --ckpt_path last"
+        "written under a temporary name, then renamed): free some space and resume with --ckpt_path last"
     )
 
 

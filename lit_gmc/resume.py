@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from pkgutil import resolve_name
@@ -20,9 +21,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lit_gmc.errors import UserError, UserFileNotFoundError
+from lit_gmc.strategies import SHARDED_METADATA, STAGING, beside, restore_set_aside
 
 SETTINGS_KEY = "lit_gmc_settings"
 COMPONENTS = ("task", "engine", "schedule")
@@ -36,7 +39,6 @@ LINKED = frozenset({
 })  # fmt: skip
 # What makes a dict a lit_gmc training checkpoint (a Lightning checkpoint with our DataModule's state).
 CHECKPOINT_KEYS = ("pytorch-lightning_version", "state_dict", "hyper_parameters", "RolloutDataModule")
-SHARDED_METADATA = "meta.pt"  # what Lightning's distributed checkpoint holds besides the shards
 
 
 def plain(value: Any) -> Any:
@@ -138,19 +140,21 @@ def checkpoint_file(ckpt_path: str, dirpath: str | None) -> Path | None:
 
     ``last`` is the newest ``last*.ckpt`` in the checkpoint folder, as Lightning picks it, and None before the
     first checkpoint (the run then starts fresh). A folder is a sharded FSDP2 checkpoint
-    (``save_distributed_checkpoint``). Other keywords (``best``, ``hpc``) and URLs are left to Lightning.
+    (``save_distributed_checkpoint``); one that a save killed mid-swap left aside is put back first
+    (:func:`~lit_gmc.strategies.restore_set_aside`, which says so). Other keywords (``best``, ``hpc``) and URLs are
+    left to Lightning.
     """
-    path = Path(ckpt_path)
-    if ckpt_path == "last":
-        if dirpath is None or not Path(dirpath).is_dir():
-            return None
-        candidates = [p for p in Path(dirpath).iterdir() if p.suffix == ".ckpt" and re.match(r"last(-\d+)?", p.stem)]
-        if not candidates:
-            return None
-        path = max(candidates, key=lambda p: p.stat().st_mtime)
-    elif ckpt_path in ("best", "hpc") or "://" in ckpt_path:
+    if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
         return None
-    return path
+    if ckpt_path == "last" and (dirpath is None or not Path(dirpath).is_dir()):
+        return None
+    folder = Path(dirpath) if ckpt_path == "last" else Path(ckpt_path).parent
+    for line in restore_set_aside(folder) if folder.is_dir() else ():
+        warnings.warn(line, stacklevel=2)  # from whichever process put it back, rank 0 or not: one of them does
+    if ckpt_path != "last":
+        return Path(ckpt_path)
+    candidates = [p for p in folder.iterdir() if p.suffix == ".ckpt" and re.match(r"last(-\d+)?", p.stem)]
+    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -185,12 +189,18 @@ def check_resume(
 
     ``settings`` (this run's :func:`run_settings`; ``None`` skips the comparison) must agree with the
     checkpoint's in every option both record, except those that may change (:func:`may_change`; ``owners``: the
-    classes of ``--model`` and ``--data``).
+    classes of ``--model`` and ``--data``). Warns when a save over the checkpoint was killed before it was put in
+    place, so that the run goes back further than its last save.
     """
     path = checkpoint_file(ckpt_path, dirpath) if ckpt_path else None
     if path is None:
         return
     checkpoint = read_checkpoint(path)
+    if beside(path, STAGING).exists():
+        rank_zero_warn(
+            f"--ckpt_path {path}: resuming from its step {checkpoint.get('global_step')}; a later save of it was "
+            f"killed before it was put in place ({beside(path, STAGING).name}, removed at the next save)"
+        )
     changes = changed_settings(saved_settings(checkpoint), settings, owners) if settings is not None else []
     if changes:
         raise UserError(

@@ -15,7 +15,7 @@ Pairs of axes that can differ, and the cells that cover them:
   kill -9; VirtualClock x exception and kill -9; the overlapped VirtualClock and Live x exception.
 - strategy x stop: two processes must stop at one step and write one checkpoint (a file under DDP, a folder of shards
   under FSDP2 whose metadata comes last). DDP x SIGTERM to every rank and kill -9 of both; FSDP2 sharded x SIGTERM
-  to rank 1 only and kill -9; one process x all three.
+  to rank 1 only and kill -9 in the middle of a save over the previous checkpoint; one process x all three.
 - rule x strategy and rule x stop: GMC keeps no state between updates, GAC keeps the previous update's gradient
   (sharded under FSDP2). GAC x DDP x kill -9, GMC elsewhere; GAC x FSDP2 with one checkpoint file is ``extended``.
 - engine: every cell runs the in-process HF engine, whose only state is its weights and version, restored through
@@ -97,13 +97,33 @@ MATRIX = [
     cell("gmc", "fixed_delay", "ddp", "SIGTERM", marks=pytest.mark.slow),
     cell("gmc", "fixed_delay", "fsdp2_sharded", "SIGTERM rank 1", marks=pytest.mark.slow),
     cell("gac", "shipped", "ddp", "kill -9", marks=pytest.mark.slow),
-    # A folder of shards is not written atomically (lit_gmc.strategies): a kill -9 that lands during the next save
-    # leaves it half-written, and the resume then fails in torch.distributed.checkpoint's reader (seen once in four
-    # CI runs). Extended until sharded saves are staged and renamed; sharded resumes stay in CI through SIGTERM.
-    cell("gmc", "shipped", "fsdp2_sharded", "kill -9", marks=(pytest.mark.slow, pytest.mark.extended)),
+    # killed in the middle of a save of last.ckpt over the previous one (KillWhileSaving)
+    cell("gmc", "shipped", "fsdp2_sharded", "kill -9", marks=pytest.mark.slow),
     # FSDP2 with one full checkpoint file: written as under DDP, so left to the extended run for CI's time
     cell("gac", "shipped", "fsdp2", "kill -9", marks=(pytest.mark.slow, pytest.mark.extended)),
 ]
+
+
+class KillWhileSaving(pl.Callback):
+    """SIGKILL every process of the run (its process group, as when the node dies) in the middle of its ``save``-th
+    checkpoint save, unless the run resumed from a checkpoint.
+
+    The kill lands while global rank 0 pickles the checkpoint into the last file it writes: a sharded save's
+    ``meta.pt``, after every rank's shards (a one-file save's only file). Deterministic, unlike a kill from outside
+    timed by the files that appear, which lands before, during or after a save of a tiny model."""
+
+    def __init__(self, save: int) -> None:
+        self.save, self.saves = save, 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saves += 1
+        if self.saves == self.save and trainer.ckpt_path is None and trainer.is_global_zero:
+            checkpoint["killed while pickled"] = KilledWhilePickled()
+
+
+class KilledWhilePickled:
+    def __reduce__(self):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 class CrashAt(pl.Callback):
@@ -244,24 +264,36 @@ def stop_two_processes_with_sigterm(tmp_path: Path, case: Cell, want: dict) -> N
 
 
 def stop_two_processes_with_kill_9(tmp_path: Path, case: Cell, want: Path) -> None:
-    """Both processes killed (the node dies) once the checkpoint at step ``2 * every`` is written; resumed from the
-    shell, and compared with the single-process run of the same config."""
+    """Both processes killed (the node dies), resumed from the shell, and compared with the single-process run of
+    the same config. A run writing one file per checkpoint is killed once the checkpoint at step ``2 * every`` is
+    written; one writing folders of shards in the middle of the save of ``last.ckpt`` that follows it, over the
+    ``last.ckpt`` of step ``every``, which the resume must then start from."""
     total, every = SCALE_OUT["total"], SCALE_OUT["every"]
-    config = write_config(tmp_path, "killed", **SCALE_OUT)
+    sharded = case.strategy == "fsdp2_sharded"
+    # saves 1-4: epoch=0-step=4.ckpt, last.ckpt, epoch=0-step=8.ckpt, then last.ckpt again (top-k first, as Lightning)
+    killer = [{"class_path": "test_resume.KillWhileSaving", "init_args": {"save": 4}}] if sharded else []
+    config = write_config(tmp_path, "killed", extra_callbacks=killer, **SCALE_OUT)
     args = (*STRATEGIES[case.strategy], *MICRO, "--model.correction", case.rule.upper())
-    checkpoint = tmp_path / "killed" / "checkpoints" / f"epoch=0-step={2 * every}.ckpt"
-    if case.strategy == "fsdp2_sharded":
-        checkpoint = checkpoint / "meta.pt"  # written by rank 0 after every shard
+    folder = tmp_path / "killed" / "checkpoints"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
-        fit_command(config, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        fit_command(config, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,  # its own process group: rank 0 and the rank 1 it launches die together
     )  # fmt: skip
-    wait_for(checkpoint.exists, process)
-    os.killpg(process.pid, signal.SIGKILL)
-    _, stderr = process.communicate()
+    if not sharded:
+        wait_for((folder / f"epoch=0-step={2 * every}.ckpt").exists, process)
+        os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=400)
     assert process.returncode == -9, f"the run ended before it could be killed:\n{stderr[-3000:]}"
     assert max(records(tmp_path / "killed")) < total - 1, "the kill should interrupt the run"
-    resumed = run_subprocess(config, *args, "--ckpt_path", "last", timeout=400)
+    resumed = subprocess.run(fit_command(config, *args, "--ckpt_path", "last"), capture_output=True, text=True,
+                             timeout=400, env=env)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
     assert_reproduces(tmp_path / "killed", want)
+    if sharded:
+        assert (
+            f"--ckpt_path {folder / 'last.ckpt'}: resuming from its step {every}; a later save of it was killed "
+            "before it was put in place (.last.ckpt.staging, removed at the next save)"
+        ) in resumed.stderr
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("epoch=")) == ["last.ckpt"]
