@@ -177,7 +177,7 @@ def test_a_disk_that_fills_during_a_checkpoint_is_one_line_naming_it_and_the_ear
     assert done.returncode == 2, done.stderr[-3000:]
     assert re.fullmatch(
         rf"lit_gmc: error: checkpoint {disk}/epoch=0-step=4.ckpt could not be written \(.*\); earlier checkpoints are "
-        r"intact \(a checkpoint is written to a temporary file, then renamed\): free some space and resume with "
+        r"intact \(a checkpoint is written under a temporary name, then renamed\): free some space and resume with "
         r"--ckpt_path last",
         lines[-1],
     ), lines[-1]
