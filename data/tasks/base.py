@@ -74,10 +74,10 @@ def prompt_problem(task: str, prompts: Sequence[Any]) -> str | None:
     return None
 
 
-def short_repr(value: Any) -> str:
-    """``repr`` of a value, cut to 40 characters."""
+def short_repr(value: Any, width: int = 40) -> str:
+    """``repr`` of a value, cut to ``width`` characters."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def prompts_in_chat_template(prompts: Sequence[Any], tokenizer: Any, option: str = "--data.chat_template") -> list[Any]:
