@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from lit_gmc.data.tasks.base import Prompt, Task
-from lit_gmc.data.tasks.math_data import MATH_TRAIN_SOURCE, MathScorer, is_local, load_math_train, make_prompts
+from lit_gmc.data.tasks.math_data import MATH_TRAIN_SOURCE, is_local, load_math_train, make_prompts
+from lit_gmc.data.tasks.verifier import MathVerifier
 from lit_gmc.options import check_options
 
 
@@ -56,7 +57,7 @@ class Math(Task):
             self.tokenizer = load_tokenizer(tokenizer, "--data.task.tokenizer")
         self._train: list[Prompt] | None = None
         self._test: list[Prompt] | None = None
-        self.scorer = MathScorer(verifier_workers, verify_timeout_s, cut_at_next_problem=cut_at_next_problem)
+        self.scorer = MathVerifier(verifier_workers, verify_timeout_s, cut_at_next_problem=cut_at_next_problem)
 
     @staticmethod
     def option_problems(max_prompt_tokens: int | None, verifier_workers: int, verify_timeout_s: float) -> list[str]:
