@@ -196,7 +196,7 @@ def test_math_task_test_prompts_are_math500(shared_data):
 def test_math_task_counts_prompt_tokens_with_the_engines_tokenizer(tmp_path, char_tokenizer):
     rows = [json.dumps({"problem": "x" * 300, "solution": "\\boxed{1}"})]
     task = Math(path=write(tmp_path / "t.jsonl", rows), max_prompt_tokens=40, verifier_workers=1)
-    with pytest.raises(RuntimeError, match="max_prompt_tokens needs a tokenizer"):
+    with pytest.raises(ValueError, match="max_prompt_tokens needs a tokenizer"):
         task.train_prompts()
     task.setup(char_tokenizer)
     (prompt,) = task.train_prompts()

@@ -267,7 +267,7 @@ def make_prompts(
 ) -> list[Prompt]:
     """Prompts from ``(id, problem, answer)`` triples: the two-shot template, then truncation if a limit is set."""
     if max_prompt_tokens is not None and tokenizer is None:
-        raise ValueError("max_prompt_tokens needs a tokenizer to count tokens")
+        raise ValueError("max_prompt_tokens needs a tokenizer to count tokens: give one, or call the task's setup")
     texts = [build_prompt(problem) for _, problem, _ in items]
     if max_prompt_tokens is not None:
         texts = [truncate_prompt(text, tokenizer, max_prompt_tokens) for text in texts]
