@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.base import RolloutEngine, Sample, SamplingParams, rollout_group
 from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
@@ -44,12 +44,11 @@ def check_stop_tokens(tokenizer: Any, actor: str) -> None:
         )
 
 
-def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
-    """Mask of real response tokens (up to and including the first EOS) and finish reasons. ``(n, L)``."""
+def response_lengths(tokens: Tensor, eos_id: int) -> tuple[list[int], list[bool]]:
+    """Tokens of each row of ``tokens`` ``(n, L)`` up to and including its first EOS, and whether it has one."""
     is_eos = tokens == eos_id  # (n, L)
-    eos_so_far = is_eos.cumsum(-1)  # (n, L) int64: EOS tokens up to and including t
-    reasons = ["stop" if stopped else "length" for stopped in is_eos.any(-1).tolist()]
-    return eos_so_far - is_eos.long() == 0, reasons  # no EOS strictly before t
+    stopped = is_eos.any(-1)  # (n,)
+    return torch.where(stopped, is_eos.int().argmax(-1) + 1, tokens.shape[1]).tolist(), stopped.tolist()
 
 
 def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int = SCORE_CHUNK_BYTES) -> Tensor:
@@ -180,7 +179,7 @@ class HFEngine(RolloutEngine):
             token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
         # Padded here rather than by the tokenizer: padding through it switches its backend's padding on and off,
         # a write to a tokenizer that other threads (the DataModule's decoding) read without this lock.
-        prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]  # each group's own tensor
+        prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
         input_ids = pad_sequence(prompt_ids, batch_first=True, padding_value=tok.pad_token_id, padding_side="left")
         real = [torch.ones_like(ids) for ids in prompt_ids]
         attention = pad_sequence(real, batch_first=True, padding_value=0, padding_side="left")  # (B, P), 1 on tokens
@@ -207,28 +206,11 @@ class HFEngine(RolloutEngine):
         tokens, logprobs = tokens.cpu(), logprobs.cpu()
         if greedy:  # one decode per prompt, copied to its n rows
             tokens, logprobs = tokens.repeat_interleave(n, 0), logprobs.repeat_interleave(n, 0)  # (len(prompts) * n, L)
-        mask, reasons = _response_mask(tokens, tok.eos_token_id)
-        tokens = tokens.masked_fill(~mask, tok.pad_token_id)
-        logprobs = logprobs.masked_fill(~mask, 0.0)
-        # Each group owns its tensors (clones, not views of the launch's), so that a checkpointed or long-queued
-        # group holds only its own rows.
-        parts = zip(tokens.split(n), mask.split(n), logprobs.split(n), strict=True)
+        per_row = zip(tokens.tolist(), logprobs.tolist(), *response_lengths(tokens, tok.eos_token_id), strict=True)
+        samples = [Sample(ids[:k], row_logprobs[:k], stopped) for ids, row_logprobs, k, stopped in per_row]
         return [
-            RolloutGroup(
-                prompt_id=prompt.id,
-                prompt=prompt.text,
-                answer=prompt.answer,
-                prompt_ids=ids,
-                response_ids=group_tokens.clone(),
-                response_mask=group_mask.clone(),
-                behavior_logprobs=group_logprobs.clone(),
-                finish_reasons=reasons[b * n : (b + 1) * n],
-                rewards=torch.zeros(n),
-                version=version,
-            )
-            for b, (prompt, ids, (group_tokens, group_mask, group_logprobs)) in enumerate(
-                zip(prompts, prompt_ids, parts, strict=True)
-            )
+            rollout_group(prompt, ids, samples[b * n : (b + 1) * n], version, tok)
+            for b, (prompt, ids) in enumerate(zip(prompts, token_lists, strict=True))
         ]
 
     def close(self) -> None:
