@@ -75,10 +75,7 @@ class Reward:
     """The run's reward function, called one way whatever its form, its result checked before it is used.
 
     ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion, for the
-    task's ``score`` or ``--data.reward`` in either form of :func:`trl_keywords`. A TRL-style function gets,
-    by keyword, one entry per completion: ``prompts`` and ``completions`` (message lists under
-    ``--data.chat_template``), ``completion_ids`` and the reference as ``answer`` and ``solution``; without
-    ``**kwargs``, only the names it declares.
+    task's ``score`` or ``--data.reward`` in either form of :func:`trl_keywords` (TRL's: :meth:`trl_arguments`).
 
     ``None`` is TRL's "skip this example": the completion gets the mean of its group's other rewards, so no
     advantage (0.0 for a group of ``None``), with one warning. A wrong count or type, a NaN or infinite reward, a
@@ -156,7 +153,11 @@ class Reward:
     def trl_arguments(
         self, completions: list[str], answer: str, prompt: str, completion_ids: Sequence[Sequence[int]] | None
     ) -> dict[str, list[Any]]:
-        """The keyword arguments TRL would pass for one prompt's completions, those the function accepts."""
+        """What TRL passes by keyword, one entry per completion, of the names the function takes.
+
+        ``prompts`` and ``completions`` (message lists under ``--data.chat_template``), ``completion_ids``, and the
+        reference as ``answer`` and ``solution``.
+        """
         count = len(completions)
         ids = [list(row) for row in completion_ids] if completion_ids is not None else [[] for _ in completions]
         arguments: dict[str, list[Any]] = {
@@ -206,10 +207,7 @@ class Reward:
         return UserError(f"reward {self.name} raised {type(err).__name__}{where}: {first_line(err)}")
 
     def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
-        """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned.
-
-        ``None`` entries (TRL's "skip this example") become the mean of the others (0.0 if all are ``None``).
-        """
+        """``result`` as ``count`` finite floats (``None``: the others' mean), or one :class:`UserError`."""
         expected = f"it must return a list of {count} numbers, one reward per completion"
         who = f"reward {self.name}, {self.called_as},"
         of_prompt = f" of prompt {prompt_id}" if prompt_id is not None else ""
