@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
@@ -30,6 +28,7 @@ from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
 SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring the sampled tokens
+Sampled = tuple[list[int], list[Sample], int]  # one prompt's token ids, its samples, the version that drew them
 
 
 def check_stop_tokens(tokenizer: Any, actor: str) -> None:
@@ -160,20 +159,27 @@ class HFEngine(RolloutEngine):
         """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, in chunks of ``batch_rows``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if self._process is not None:
+        if self._process is None:
+            sampled = self.sample(prompts, n, sampling)
+        else:  # the process's engine holds no version: the weights it samples with are this one's
             with self._process.lock:
-                groups, version = self._process.generate(prompts, n, sampling), self._version
-            return [dataclasses.replace(group, version=version) for group in groups]
+                sampled, version = self._process.sample(prompts, n, sampling), self._version
+            sampled = [(ids, samples, version) for ids, samples, _ in sampled]
+        return [
+            rollout_group(prompt, ids, samples, version, self.tokenizer)
+            for prompt, (ids, samples, version) in zip(prompts, sampled, strict=True)
+        ]
+
+    def sample(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[Sampled]:
+        """Each prompt's token ids, ``n`` samples and the version that drew them, in calls of ``batch_rows`` rows."""
         per_call = max(1, self.batch_rows // n)
-        groups: list[RolloutGroup] = []
+        sampled: list[Sampled] = []
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
-            groups.extend(self._generate(chunk, n, sampling, call_seed=sampling.seed + start))
-        return groups
+            sampled.extend(self._sample(chunk, n, sampling, call_seed=sampling.seed + start))
+        return sampled
 
-    def _generate(
-        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int
-    ) -> list[RolloutGroup]:
+    def _sample(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int) -> list[Sampled]:
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
             token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
@@ -208,10 +214,7 @@ class HFEngine(RolloutEngine):
             tokens, logprobs = tokens.repeat_interleave(n, 0), logprobs.repeat_interleave(n, 0)  # (len(prompts) * n, L)
         per_row = zip(tokens.tolist(), logprobs.tolist(), *response_lengths(tokens, tok.eos_token_id), strict=True)
         samples = [Sample(ids[:k], row_logprobs[:k], stopped) for ids, row_logprobs, k, stopped in per_row]
-        return [
-            rollout_group(prompt, ids, samples[b * n : (b + 1) * n], version, tok)
-            for b, (prompt, ids) in enumerate(zip(prompts, token_lists, strict=True))
-        ]
+        return [(ids, samples[b * n : (b + 1) * n], version) for b, ids in enumerate(token_lists)]
 
     def close(self) -> None:
         """Drop the behaviour copy of the model (stop the engine process in the dedicated layout)."""
@@ -230,18 +233,8 @@ def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[st
             parameters[name].copy_(tensor)  # copy_ casts to the target's dtype and device itself
 
 
-def converted(group: RolloutGroup, kind: type, convert: Callable[[Any], Any]) -> RolloutGroup:
-    """``group`` with ``convert`` applied to its fields of type ``kind``.
-
-    Groups cross the pipe as numpy arrays, which pickle inline: torch would put every small tensor in a shared-memory
-    file of its own, slower than sending the bytes.
-    """
-    values = {field.name: getattr(group, field.name) for field in dataclasses.fields(group)}
-    return dataclasses.replace(group, **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
-
-
 def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None:
-    """The engine process: load ``actor``, share its parameters, then answer ``generate`` calls until ``close``."""
+    """The engine process: load ``actor``, share its parameters, then answer ``sample`` calls until ``close``."""
     try:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -257,7 +250,7 @@ def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None
         if request == "close":
             return
         try:
-            connection.send(("ok", [converted(group, Tensor, Tensor.numpy) for group in engine.generate(*args)]))
+            connection.send(("ok", engine.sample(*args)))
         except BaseException:
             connection.send(("error", traceback.format_exc()))
 
@@ -290,13 +283,13 @@ class EngineProcess:
             raise RuntimeError(f"the engine process failed while {doing}:\n{value}")
         return value
 
-    def generate(self, prompts: Sequence[Prompt], n: int, sampling) -> list[RolloutGroup]:
-        """The engine process's ``HFEngine.generate`` (the caller holds :attr:`lock`)."""
+    def sample(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[Sampled]:
+        """The engine process's :meth:`HFEngine.sample` (the caller holds :attr:`lock`)."""
         try:
-            self.connection.send(("generate", (list(prompts), n, sampling)))
+            self.connection.send(("sample", (list(prompts), n, sampling)))
         except OSError:  # a broken pipe: the process is gone
             raise self._died("generating") from None
-        return [converted(group, np.ndarray, torch.from_numpy) for group in self._reply("generating")]
+        return self._reply("generating")
 
     def close(self) -> None:
         """Stop the engine process (at once if it does not stop by itself); idempotent."""
