@@ -3,7 +3,7 @@
 ``HFEngine(layout="dedicated")`` runs it in a spawned process (:class:`EngineProcess`), so generation and learning
 do not share one interpreter lock. Its parameters live in shared memory, where the learner's process writes
 published weights in place; writes, generations and version stamps share one lock, so each batch carries the version
-it was generated with. ``torch.multiprocessing`` suffices: the engine is one object with two calls.
+it was generated with.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class HFEngine(RolloutEngine):
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
         self.model, self.tokenizer, self._version = model.eval().requires_grad_(False), tokenizer, 0
-        self._parameters = None  # load_weights' targets by name, built on first use
+        self._parameters = dict(self.model.named_parameters())
 
     @property
     def version(self) -> int:
@@ -150,8 +150,6 @@ class HFEngine(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy the named tensors into the behaviour copy in place and set ``version``."""
         with self._lock if self._process is None else self._process.lock:  # dedicated: never mid-generation
-            if self._parameters is None:
-                self._parameters = dict(self.model.named_parameters())
             copy_weights(self._parameters, named_tensors)
             self._version = version
 
