@@ -412,10 +412,7 @@ class RolloutDataModule(pl.LightningDataModule):
         Sampling seeds derive from launch ids, so nothing else is random. Empty on ranks other than 0, which wait
         here on the rank-0 channel while rank 0 waits for a worker: their next collective is on the default group.
         """
-        if self.rank != 0:
-            wait_for_rank0()
-            return {}
-        state = self._own_state()
+        state = self._own_state() if self.rank == 0 else {}
         wait_for_rank0()
         return state
 
