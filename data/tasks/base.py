@@ -100,8 +100,6 @@ class PromptStream:
     """Endless seeded walk over a task's training prompts: a fresh permutation every epoch, seeded ``seed + epoch``."""
 
     def __init__(self, prompts: Sequence[Prompt], seed: int = 0) -> None:
-        if not prompts:
-            raise ValueError("the prompt stream needs at least one prompt")
         self.prompts = prompts
         self.seed = seed
         self.epoch = 0
