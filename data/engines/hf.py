@@ -19,7 +19,6 @@ from typing import Any, Literal
 import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.engines.base import RolloutEngine, Sample, SamplingParams, rollout_group
@@ -181,21 +180,18 @@ class HFEngine(RolloutEngine):
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
             token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-        # Padded here rather than by the tokenizer: padding through it switches its backend's padding on and off,
-        # a write to a tokenizer that other threads (the DataModule's decoding) read without this lock.
-        prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]
-        input_ids = pad_sequence(prompt_ids, batch_first=True, padding_value=tok.pad_token_id, padding_side="left")
-        real = [torch.ones_like(ids) for ids in prompt_ids]
-        attention = pad_sequence(real, batch_first=True, padding_value=0, padding_side="left")  # (B, P), 1 on tokens
-        width = input_ids.shape[1]
+        # Padded by ``pad``, in Python: padding while tokenizing switches the backend's padding on and off, a write to a
+        # tokenizer that other threads (the DataModule's decoding) read without this lock.
+        padded = tok.pad({"input_ids": token_lists}, padding=True, padding_side="left", return_tensors="pt")
+        width = padded["input_ids"].shape[1]  # (B, P) ids and attention mask, left-padded
         device = next(self.model.parameters()).device
         greedy = sampling.temperature == 0
         sample = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
         kwargs = {"do_sample": False} if greedy else sample
         with self._lock, torch.no_grad(), seeded(call_seed):
             out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
+                input_ids=padded["input_ids"].to(device),
+                attention_mask=padded["attention_mask"].to(device),
                 max_new_tokens=sampling.max_new_tokens,
                 num_return_sequences=1 if greedy else n,  # greedy copies would be identical: decode once
                 output_scores=True,
