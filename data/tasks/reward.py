@@ -66,11 +66,6 @@ def trl_keywords(function: Callable, name: str) -> frozenset[str] | None:
     return keywords if trl else None
 
 
-def as_messages(completions: Sequence[str]) -> list[list[dict[str, str]]]:
-    """Each completion as TRL gives it for a conversational prompt: one assistant message."""
-    return [[{"role": "assistant", "content": text}] for text in completions]
-
-
 class Reward:
     """The run's reward function, called one way whatever its form, its result checked before it is used.
 
@@ -160,9 +155,10 @@ class Reward:
         """
         count = len(completions)
         ids = [list(row) for row in completion_ids] if completion_ids is not None else [[] for _ in completions]
+        messages = [[{"role": "assistant", "content": text}] for text in completions]  # a conversational prompt's
         arguments: dict[str, list[Any]] = {
             "prompts": [[{"role": "user", "content": prompt}] if self.chat else prompt] * count,
-            "completions": as_messages(completions) if self.chat else completions,
+            "completions": messages if self.chat else completions,
             "completion_ids": ids,
             **{key: [answer] * count for key in TRL_ANSWER_NAMES},
         }
