@@ -167,11 +167,6 @@ class Reward:
     def timed(self, call: Callable[[], Any], prompt_id: int | None) -> Any:
         """``call()``, its error and its time limit reported as one :class:`UserError` naming the function."""
         where = f" on prompt {prompt_id}" if prompt_id is not None else ""
-        if self.timeout_s is None:
-            try:
-                return call()
-            except Exception as err:
-                raise self.raised(err, where) from err
         outcome: Future = Future()
 
         def run() -> None:
@@ -180,17 +175,19 @@ class Reward:
             except BaseException as err:  # reported in the waiting thread
                 outcome.set_exception(err)
 
-        # A daemon thread: one that never returns is left behind and does not keep the process alive at exit.
-        threading.Thread(target=run, name="lit_gmc-reward", daemon=True).start()
-        deadline = time.monotonic() + self.timeout_s
-        while not wait([outcome], timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0))).done:
-            if self.stop():
-                raise RewardInterrupted(f"reward {self.name}: the wait for it was interrupted{where}")
-            if time.monotonic() >= deadline:
-                raise UserError(
-                    f"reward {self.name} did not return within {self.timeout_s:g} s{where} "
-                    "(--data.reward_timeout_s): the run stops here; make the reward faster or raise the limit"
-                )
+        if self.timeout_s is None:
+            run()  # no limit: in the caller's thread
+        else:  # a daemon thread: one that never returns is left behind, and does not keep the process alive at exit
+            threading.Thread(target=run, name="lit_gmc-reward", daemon=True).start()
+            deadline = time.monotonic() + self.timeout_s
+            while not wait([outcome], timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0))).done:
+                if self.stop():
+                    raise RewardInterrupted(f"reward {self.name}: the wait for it was interrupted{where}")
+                if time.monotonic() >= deadline:
+                    raise UserError(
+                        f"reward {self.name} did not return within {self.timeout_s:g} s{where} "
+                        "(--data.reward_timeout_s): the run stops here; make the reward faster or raise the limit"
+                    )
         try:
             return outcome.result()
         except Exception as err:
