@@ -296,11 +296,10 @@ class VLLMEngine(RolloutEngine):
         return [self._group(p, ids, out, version) for p, ids, out in zip(prompts, encoded, outputs, strict=True)]
 
     def _sampling_params(self, sampling: SamplingParams, n: int, seed: int):
-        greedy = sampling.temperature == 0
         return self.vllm.SamplingParams(
             n=n,
-            temperature=0.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
+            temperature=float(sampling.temperature),  # 0: greedy, for which vLLM sets top_p 1 itself
+            top_p=sampling.top_p,
             top_k=0,
             max_tokens=sampling.max_new_tokens,
             seed=seed,
