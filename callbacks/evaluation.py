@@ -366,9 +366,9 @@ class Evaluation(pl.Callback):
     def math_scorer(self) -> Scorer:
         """The scorer given, else the MATH scorer, built once (its verifier processes start on first need)."""
         if self.scorer is None:
-            from lit_gmc.data.tasks.math_data import MathScorer
+            from lit_gmc.data.tasks.verifier import MathVerifier
 
-            self.scorer = MathScorer(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
+            self.scorer = MathVerifier(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
         return self.scorer
 
     def registered_suite(self, name: str) -> Suite:

@@ -346,15 +346,13 @@ class RolloutDataModule(pl.LightningDataModule):
         self._apply_staged_weights()
         hp = self.hparams
         sampling = SamplingParams(hp.temperature, hp.top_p, hp.max_new_tokens, seed=hp.seed * 1_000_003 + launch_id)
-        groups = self.engine.generate(prompts, hp.group_size, sampling)
-        rows = [row for group in groups for row in group.response_ids.tolist()]
-        completions = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         scored = []
-        for b, group in enumerate(groups):
-            part = slice(b * hp.group_size, (b + 1) * hp.group_size)
-            ids = [row[:length] for row, length in zip(rows[part], group.lengths.tolist(), strict=True)]  # unpadded
+        for group in self.engine.generate(prompts, hp.group_size, sampling):
+            rows = group.response_ids.tolist()
+            completions = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+            ids = [row[:length] for row, length in zip(rows, group.lengths.tolist(), strict=True)]  # unpadded
             asked = self.task_prompts[group.prompt_id].text  # before the chat template: for TRL's form
-            rewards = self.score(completions[part], group.answer, asked, group.prompt_id, completion_ids=ids)
+            rewards = self.score(completions, group.answer, asked, group.prompt_id, completion_ids=ids)
             scored.append(group.with_rewards(rewards, batch_id=launch_id))
         return scored
 
@@ -412,10 +410,7 @@ class RolloutDataModule(pl.LightningDataModule):
         Sampling seeds derive from launch ids, so nothing else is random. Empty on ranks other than 0, which wait
         here on the rank-0 channel while rank 0 waits for a worker: their next collective is on the default group.
         """
-        if self.rank != 0:
-            wait_for_rank0()
-            return {}
-        state = self._own_state()
+        state = self._own_state() if self.rank == 0 else {}
         wait_for_rank0()
         return state
 

@@ -42,7 +42,8 @@ from lit_gmc.callbacks.metrics import PAPER_KS
 from lit_gmc.data.engines.hf import HFEngine
 from lit_gmc.data.tasks.base import prompts_in_chat_template
 from lit_gmc.data.tasks.benchmarks import BENCHMARKS, Benchmark, BenchmarkUnreachable, load_benchmark
-from lit_gmc.data.tasks.math_data import MathScorer, make_prompts
+from lit_gmc.data.tasks.math_data import make_prompts
+from lit_gmc.data.tasks.verifier import MathVerifier
 from lit_gmc.errors import UserError
 from lit_gmc.export import load_checkpoint_actor
 
@@ -248,11 +249,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         n = args.samples or bench.samples
         suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n),
                             skipped=len(bench.skipped)))  # fmt: skip
-    scorers: list[MathScorer] = []  # the math scorer starts verifier processes: only when a benchmark needs it
+    scorers: list[MathVerifier] = []  # the math scorer starts verifier processes: only when a benchmark needs it
 
-    def math_scorer() -> MathScorer:
+    def math_scorer() -> MathVerifier:
         if not scorers:
-            scorers.append(MathScorer(num_workers=args.verifier_workers, cut_at_next_problem=args.cut_at_next_problem))
+            verifier = MathVerifier(num_workers=args.verifier_workers, cut_at_next_problem=args.cut_at_next_problem)
+            scorers.append(verifier)
         return scorers[0]
 
     start = time.perf_counter()

@@ -5,7 +5,8 @@ import pytest
 
 from lit_gmc.data.tasks.answers import last_boxed, strip_dollars
 from lit_gmc.data.tasks.benchmarks import BENCHMARKS, load_benchmark
-from lit_gmc.data.tasks.math_data import MathScorer, is_file_source, is_local
+from lit_gmc.data.tasks.math_data import is_file_source, is_local
+from lit_gmc.data.tasks.verifier import MathVerifier
 
 SKIPPED = {"gaokao2023en": ["168", "193"]}  # the rows' lines in the local copy
 COUNTS = {"math500": 500, "gsm8k": 1319, "gaokao2023en": 385, "olympiadbench": 675, "minerva": 272, "amc23": 40}
@@ -54,7 +55,7 @@ def test_answer_formats(shared_data):
 
 @pytest.fixture(scope="module")
 def scorer():
-    s = MathScorer(num_workers=2, timeout_s=10.0)
+    s = MathVerifier(num_workers=2, timeout_s=10.0)
     yield s
     s.close()
 

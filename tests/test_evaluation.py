@@ -19,7 +19,8 @@ from lit_gmc.callbacks.evaluation import BenchmarkFile, Evaluation, Suite, evalu
 from lit_gmc.callbacks.weight_sync import WeightSync
 from lit_gmc.cli import GMCCLI
 from lit_gmc.data.tasks.benchmarks import CompletionScorer
-from lit_gmc.data.tasks.math_data import MathScorer, make_prompts
+from lit_gmc.data.tasks.math_data import make_prompts
+from lit_gmc.data.tasks.verifier import MathVerifier
 from lit_gmc.errors import UserError
 from lit_gmc.module import GMCModule
 from lit_gmc.tblog import read_scalars
@@ -49,7 +50,7 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def scorer():
-    s = MathScorer(num_workers=1)
+    s = MathVerifier(num_workers=1)
     yield s
     s.close()
 
@@ -230,7 +231,7 @@ def test_a_benchmark_file_takes_callables_and_sits_beside_a_registered_benchmark
     try:
         amc, rev = callback.suites
         assert amc.prompts[0].text.endswith("Solution:") and amc.scorer is callback.scorer  # the math template
-        assert isinstance(callback.scorer, MathScorer) and isinstance(rev.scorer, CompletionScorer)
+        assert isinstance(callback.scorer, MathVerifier) and isinstance(rev.scorer, CompletionScorer)
         assert [(p.text, p.answer) for p in rev.prompts] == [("reverse cat:", "tac")] and rev.title == "Reverse"
         results = callback.run(trainer)
     finally:

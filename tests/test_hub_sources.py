@@ -21,7 +21,6 @@ from lit_gmc.data.tasks.benchmarks import (
     BenchmarkItem,
     load_benchmark,
     load_items,
-    reference_field,
 )
 from lit_gmc.data.tasks.math_data import (
     MATH_TRAIN_SOURCE,
@@ -175,4 +174,4 @@ def test_local_overrides_and_missing_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="amc23_test.jsonl"):
         load_benchmark("amc23", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="exactly one of answer, solution, rationale"):
-        reference_field(DataSource("x", {"problem": "q"}))
+        load_items(DataSource("x", {"problem": "q"}))

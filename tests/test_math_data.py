@@ -4,19 +4,19 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from lit_gmc.data.tasks.answers import answer_region
 from lit_gmc.data.tasks.base import Task, truncate_prompt
 from lit_gmc.data.tasks.math import Math
 from lit_gmc.data.tasks.math_data import (
     INSTRUCTION,
     WORKED_EXAMPLES,
     DataSource,
-    MathScorer,
-    answer_region,
     build_prompt,
     load_math_train,
     load_records,
     make_prompts,
 )
+from lit_gmc.data.tasks.verifier import MathVerifier
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ INVENTS_A_PROBLEM = "$3+4=7$, so \\boxed{7}.\n\nProblem: What is $4+5$?\nSolutio
 
 
 def test_the_paper_scores_the_last_box_of_the_whole_completion():
-    paper, cut = MathScorer(num_workers=1), MathScorer(num_workers=1, cut_at_next_problem=True)
+    paper, cut = MathVerifier(num_workers=1), MathVerifier(num_workers=1, cut_at_next_problem=True)
     try:
         assert paper.score([INVENTS_A_PROBLEM], "7") == [0.0]  # the last box is the invented problem's
         assert paper.score([INVENTS_A_PROBLEM], "9") == [1.0]
@@ -196,7 +196,7 @@ def test_math_task_test_prompts_are_math500(shared_data):
 def test_math_task_counts_prompt_tokens_with_the_engines_tokenizer(tmp_path, char_tokenizer):
     rows = [json.dumps({"problem": "x" * 300, "solution": "\\boxed{1}"})]
     task = Math(path=write(tmp_path / "t.jsonl", rows), max_prompt_tokens=40, verifier_workers=1)
-    with pytest.raises(RuntimeError, match="max_prompt_tokens needs a tokenizer"):
+    with pytest.raises(ValueError, match="max_prompt_tokens needs a tokenizer"):
         task.train_prompts()
     task.setup(char_tokenizer)
     (prompt,) = task.train_prompts()

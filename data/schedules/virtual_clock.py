@@ -73,7 +73,6 @@ class VirtualClock(DelaySchedule):
         self.c_gen, self.lam, self.c_update, self.max_launches = float(c_gen), float(lam), float(c_update), max_launches
         self.overlap = overlap
         self.clock = 0.0
-        self.launched = 0
         self.hidden: list[_Launch] = []  # launched, not yet visible (possibly still generating)
         self.visible: list[_Launch] = []  # completed by the clock, sorted by (ready_at, index)
 
@@ -126,8 +125,8 @@ class VirtualClock(DelaySchedule):
     def _launch(self, produce: Producer) -> None:
         self.drain_step = None  # launching again: only a resume planning more updates ends a drain
         (batch,) = self.launch(produce, 1)
-        self.hidden.append(_Launch(self.launched, self.clock, batch))
-        self.launched += 1
+        launched = self.step + self.in_flight  # lossless: every launch is consumed or still in flight
+        self.hidden.append(_Launch(launched, self.clock, batch))
         self.clock += self.c_gen
 
     def _resolve(self, entry: _Launch) -> None:
@@ -182,7 +181,7 @@ class VirtualClock(DelaySchedule):
             for e in self.hidden + self.visible
         ]
         return {
-            **super().state_dict(), "clock": self.clock, "launched": self.launched, "entries": entries,
+            **super().state_dict(), "clock": self.clock, "entries": entries,
             "visible": [e.index for e in self.visible],
         }  # fmt: skip
 
@@ -190,7 +189,6 @@ class VirtualClock(DelaySchedule):
         """Restore the clock, counters and in-flight batches saved by :meth:`state_dict` (the plan stays this run's)."""
         super().load_state_dict(state)
         self.clock = state["clock"]
-        self.launched = state["launched"]
         entries = [
             _Launch(e["index"], e["launched_at"], batch_from_state(e["batch"]), e["ready_at"]) for e in state["entries"]
         ]

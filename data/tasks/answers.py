@@ -15,6 +15,8 @@ _DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 _BOX_OPENER = re.compile(r"\\boxed[ \t]*\{")
 """``\\boxed{``, spaces allowed before the brace (``\\boxedfoo`` is another command, ``\\boxed 2`` no complete box)."""
+PROBLEM_MARK = "Problem:"
+"""What starts each problem of the two-shot prompt (:func:`lit_gmc.data.tasks.math_data.build_prompt`)."""
 
 
 def last_boxed(text: str) -> str | None:
@@ -44,6 +46,16 @@ def last_boxed(text: str) -> str | None:
     if best is None:
         return None
     return text[best[0] + 1 : best[1]].strip()
+
+
+def answer_region(completion: str) -> str:
+    """The part of a completion before a new ``Problem:`` line (used only with ``cut_at_next_problem``).
+
+    A base model continuing a few-shot prompt often invents the next problem and boxes its answer; the paper
+    scores the last box regardless.
+    """
+    cut = completion.find(f"\n{PROBLEM_MARK}")
+    return completion if cut == -1 else completion[:cut]
 
 
 def gsm8k_final_answer(rationale: str) -> str | None:

@@ -74,10 +74,10 @@ def prompt_problem(task: str, prompts: Sequence[Any]) -> str | None:
     return None
 
 
-def short_repr(value: Any) -> str:
-    """``repr`` of a value, cut to 40 characters."""
+def short_repr(value: Any, width: int = 40) -> str:
+    """``repr`` of a value, cut to ``width`` characters."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def prompts_in_chat_template(prompts: Sequence[Any], tokenizer: Any, option: str = "--data.chat_template") -> list[Any]:
@@ -100,8 +100,6 @@ class PromptStream:
     """Endless seeded walk over a task's training prompts: a fresh permutation every epoch, seeded ``seed + epoch``."""
 
     def __init__(self, prompts: Sequence[Prompt], seed: int = 0) -> None:
-        if not prompts:
-            raise ValueError("the prompt stream needs at least one prompt")
         self.prompts = prompts
         self.seed = seed
         self.epoch = 0

@@ -58,26 +58,19 @@ REFERENCE_FIELDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], str]]
 ``answer`` (the value as stored), ``solution`` (a worked solution: the local Minerva copy), ``rationale`` (GSM8K's)."""
 
 
-def reference_field(source: DataSource) -> str:
-    """Which of :data:`REFERENCE_FIELDS` the source maps (a :class:`UserError` if none or several)."""
+def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
+    """Problems and references of a benchmark source mapping one of :data:`REFERENCE_FIELDS`, and the rows left out.
+
+    A row whose reference is empty could only score 0 (two of Gaokao2023-En on the hub), so it is left out and
+    counted (``skipped`` in the results). A malformed row is a :class:`UserError` naming its file and line (or row).
+    """
     found = [name for name in REFERENCE_FIELDS if name in source.columns]
     if len(found) != 1:
         raise UserError(
             f"{source.path}: columns must map exactly one of {', '.join(REFERENCE_FIELDS)} to a column "
             f"(got {dict(source.columns)})"
         )
-    return found[0]
-
-
-def load_items(source: DataSource) -> tuple[list[BenchmarkItem], list[str]]:
-    """Problems and references of one benchmark source, and the locations of the rows left out.
-
-    A row whose reference is empty could only score 0 (two of Gaokao2023-En on the hub), so it is left out and
-    counted (``skipped`` in the results). A malformed row is a :class:`UserError` naming its file and line (or row).
-    """
-    name = reference_field(source)
-    kinds, read = REFERENCE_FIELDS[name]
-    return _items(source, name, kinds, read)
+    return _items(source, found[0], *REFERENCE_FIELDS[found[0]])
 
 
 def load_file_items(

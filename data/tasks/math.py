@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from lit_gmc.data.tasks.base import Prompt, Task
-from lit_gmc.data.tasks.math_data import MATH_TRAIN_SOURCE, MathScorer, is_local, load_math_train, make_prompts
+from lit_gmc.data.tasks.math_data import MATH_TRAIN_SOURCE, is_local, load_math_train, make_prompts
+from lit_gmc.data.tasks.verifier import MathVerifier
 from lit_gmc.options import check_options
 
 
@@ -47,8 +48,8 @@ class Math(Task):
         check_options("Math", self.option_problems(max_prompt_tokens, verifier_workers, verify_timeout_s))
         self.max_prompt_tokens = max_prompt_tokens
         self.test_path = test_path
-        self.data = load_math_train(path, split=split, config=config)  # loaded now: a bad file fails at start-up
-        self._triples = [(p.id, p.problem, p.answer) for p in self.data.problems]
+        problems = load_math_train(path, split=split, config=config).problems  # now: a bad file fails at start-up
+        self._triples = [(p.id, p.problem, p.answer) for p in problems]
         self.tokenizer: Any = None
         if tokenizer is not None:
             from lit_gmc.actor import load_tokenizer  # lazy: transformers, only needed to count prompt tokens
@@ -56,7 +57,7 @@ class Math(Task):
             self.tokenizer = load_tokenizer(tokenizer, "--data.task.tokenizer")
         self._train: list[Prompt] | None = None
         self._test: list[Prompt] | None = None
-        self.scorer = MathScorer(verifier_workers, verify_timeout_s, cut_at_next_problem=cut_at_next_problem)
+        self.scorer = MathVerifier(verifier_workers, verify_timeout_s, cut_at_next_problem=cut_at_next_problem)
 
     @staticmethod
     def option_problems(max_prompt_tokens: int | None, verifier_workers: int, verify_timeout_s: float) -> list[str]:
@@ -86,15 +87,10 @@ class Math(Task):
         if self.tokenizer is None:
             self.tokenizer = tokenizer
 
-    def _prompts(self, triples: Sequence[tuple[int, str, str]]) -> list[Prompt]:
-        if self.max_prompt_tokens is not None and self.tokenizer is None:
-            raise RuntimeError("Math: max_prompt_tokens needs a tokenizer: give the option, or call setup(tokenizer)")
-        return make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
-
     def train_prompts(self) -> Sequence[Prompt]:
         """Two-shot prompts of the kept training rows, in file order."""
         if self._train is None:
-            self._train = self._prompts(self._triples)
+            self._train = make_prompts(self._triples, self.tokenizer, self.max_prompt_tokens)
         return self._train
 
     def test_prompts(self) -> Sequence[Prompt]:
@@ -103,7 +99,8 @@ class Math(Task):
             from lit_gmc.data.tasks.benchmarks import load_benchmark
 
             items = load_benchmark("math500", source=self.test_path).items
-            self._test = self._prompts([(i, item.problem, item.answer) for i, item in enumerate(items)])
+            triples = [(i, item.problem, item.answer) for i, item in enumerate(items)]
+            self._test = make_prompts(triples, self.tokenizer, self.max_prompt_tokens)
         return self._test
 
     def score(self, completions: Sequence[str], answer: str) -> list[float]:

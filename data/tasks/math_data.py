@@ -1,4 +1,4 @@
-r"""The paper's training task: MATH (Hendrycks et al. 2021) with a two-shot ``\boxed{}`` prompt and math-verify rewards.
+r"""The paper's training data: MATH (Hendrycks et al. 2021), its reference answers and the two-shot ``\boxed{}`` prompt.
 
 Data comes from a :class:`DataSource`, by default on the hub (:data:`MATH_TRAIN_SOURCE`), or a local JSON/JSONL
 file or dataset folder, all read through ``datasets``; a bad row is an error naming its file and line. A row's
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lit_gmc.data.tasks.answers import last_boxed
+from lit_gmc.data.tasks.answers import PROBLEM_MARK, last_boxed
 from lit_gmc.data.tasks.base import Prompt, truncate_prompt
 from lit_gmc.errors import UserConnectionError, UserError, UserFileNotFoundError
 
@@ -88,23 +88,11 @@ WORKED_EXAMPLES: tuple[WorkedExample, ...] = (
     ),
 )
 
-PROBLEM_MARK = "Problem:"
-
 
 def build_prompt(problem: str) -> str:
     """The two-shot prompt for one problem; the same text is used for training and for every benchmark."""
     shots = "".join(f"{PROBLEM_MARK} {ex.problem}\nSolution: {ex.solution}\n\n" for ex in WORKED_EXAMPLES)
     return f"{INSTRUCTION}\n\n{shots}{PROBLEM_MARK} {problem.strip()}\nSolution:"
-
-
-def answer_region(completion: str) -> str:
-    """The part of a completion before a new ``Problem:`` line (used only with ``cut_at_next_problem``).
-
-    A base model continuing a few-shot prompt often invents the next problem and boxes its answer; the paper
-    scores the last box regardless.
-    """
-    cut = completion.find(f"\n{PROBLEM_MARK}")
-    return completion if cut == -1 else completion[:cut]
 
 
 def is_file_source(path: str) -> bool:
@@ -279,36 +267,8 @@ def make_prompts(
 ) -> list[Prompt]:
     """Prompts from ``(id, problem, answer)`` triples: the two-shot template, then truncation if a limit is set."""
     if max_prompt_tokens is not None and tokenizer is None:
-        raise ValueError("max_prompt_tokens needs a tokenizer to count tokens")
+        raise ValueError("max_prompt_tokens needs a tokenizer to count tokens: give one, or call the task's setup")
     texts = [build_prompt(problem) for _, problem, _ in items]
     if max_prompt_tokens is not None:
         texts = [truncate_prompt(text, tokenizer, max_prompt_tokens) for text in texts]
     return [Prompt(id_, text, answer) for (id_, _, answer), text in zip(items, texts, strict=True)]
-
-
-class MathScorer:
-    r"""The paper's reward: the last complete ``\boxed{}`` of a completion, checked by math-verify.
-
-    ``num_workers`` verifier processes, each check bounded by ``timeout_s`` (a slower one scores 0);
-    ``cut_at_next_problem`` scores only :func:`answer_region`, a deviation from the paper.
-    """
-
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, cut_at_next_problem: bool = False) -> None:
-        from lit_gmc.data.tasks.verifier import MathVerifier
-
-        self.verifier = MathVerifier(num_workers=num_workers, timeout_s=timeout_s)
-        self.cut_at_next_problem = cut_at_next_problem
-
-    def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        """Rewards of ``(completion, reference)`` pairs."""
-        if self.cut_at_next_problem:
-            pairs = [(answer_region(completion), reference) for completion, reference in pairs]
-        return self.verifier.score_pairs(pairs)
-
-    def score(self, completions: Sequence[str], answer: str) -> list[float]:
-        """Rewards of several completions of one problem."""
-        return self.score_pairs([(c, answer) for c in completions])
-
-    def close(self) -> None:
-        """Stop the verifier's worker processes."""
-        self.verifier.close()

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, wait
 from typing import Any
 
-from lit_gmc.data.tasks.base import Task
+from lit_gmc.data.tasks.base import Task, short_repr
 from lit_gmc.distributed import Interrupted
 from lit_gmc.errors import UserError, first_line
 
@@ -36,56 +36,41 @@ TRL_ANSWER_NAMES = ("answer", "solution")
 """The names the reference answer is passed under, TRL's way: ours, and the column TRL's own rewards read
 (``trl.rewards.accuracy_reward(completions, solution, **kwargs)`` and its siblings)."""
 
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", *TRL_ANSWER_NAMES)
 
-def calling_convention(function: Callable, name: str) -> str:
-    """``"native"`` for ``f(completions, answer)``, ``"trl"`` for TRL's ``f(prompts=, completions=, **kwargs)``.
 
-    A function with ``**kwargs`` or a parameter only TRL passes (:data:`TRL_ONLY_NAMES`) is called as TRL's
-    ``GRPOTrainer`` calls one (:meth:`Reward.trl_arguments`); any other must take ``(completions, answer)``.
+def trl_keywords(function: Callable, name: str) -> frozenset[str] | None:
+    """The keywords of :data:`TRL_KEYWORDS` a TRL-style ``function`` takes; ``None``: it is ``f(completions, answer)``.
+
+    A function with ``**kwargs`` (every keyword) or a parameter only TRL passes (:data:`TRL_ONLY_NAMES`) is called as
+    TRL's ``GRPOTrainer`` calls one (:meth:`Reward.trl_arguments`); any other must take ``(completions, answer)``.
     """
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # a builtin without a signature: called as documented
-        return "native"
+        return None
     params = signature.parameters
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    offered = ("prompts", "completions", "completion_ids", *TRL_ANSWER_NAMES)
-    if takes_kwargs or any(trl_name in params for trl_name in TRL_ONLY_NAMES):
-        accepted = offered if takes_kwargs else [key for key in offered if key in params]
-        with contextlib.suppress(TypeError):
-            signature.bind(**dict.fromkeys(accepted, []))
-            return "trl"
-    else:
-        with contextlib.suppress(TypeError):
+    trl = takes_kwargs or any(trl_name in params for trl_name in TRL_ONLY_NAMES)
+    keywords = frozenset(key for key in TRL_KEYWORDS if takes_kwargs or key in params)
+    try:
+        if trl:
+            signature.bind(**dict.fromkeys(keywords, []))
+        else:
             signature.bind([], "")
-            return "native"
-    raise UserError(
-        f"reward {name}{signature} takes neither (completions, answer) nor TRL's keywords (prompts, completions, "
-        "completion_ids, answer, solution, **kwargs)"
-    )
-
-
-def accepted_keywords(function: Callable) -> frozenset[str] | None:
-    """The keyword parameters of a TRL-style ``function``; ``None`` when it takes ``**kwargs`` (every keyword)."""
-    params = inspect.signature(function).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
-    return frozenset(params)
-
-
-def as_messages(completions: Sequence[str]) -> list[list[dict[str, str]]]:
-    """Each completion as TRL gives it for a conversational prompt: one assistant message."""
-    return [[{"role": "assistant", "content": text}] for text in completions]
+    except TypeError:
+        raise UserError(
+            f"reward {name}{signature} takes neither (completions, answer) nor TRL's keywords (prompts, completions, "
+            "completion_ids, answer, solution, **kwargs)"
+        ) from None
+    return keywords if trl else None
 
 
 class Reward:
     """The run's reward function, called one way whatever its form, its result checked before it is used.
 
     ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion, for the
-    task's ``score`` or ``--data.reward`` in either form of :func:`calling_convention`. A TRL-style function gets,
-    by keyword, one entry per completion: ``prompts`` and ``completions`` (message lists under
-    ``--data.chat_template``), ``completion_ids`` and the reference as ``answer`` and ``solution``; without
-    ``**kwargs``, only the names it declares.
+    task's ``score`` or ``--data.reward`` in either form of :func:`trl_keywords` (TRL's: :meth:`trl_arguments`).
 
     ``None`` is TRL's "skip this example": the completion gets the mean of its group's other rewards, so no
     advantage (0.0 for a group of ``None``), with one warning. A wrong count or type, a NaN or infinite reward, a
@@ -111,10 +96,8 @@ class Reward:
         self.function = function
         self.name = name
         self.chat = chat
-        self.convention = calling_convention(function, name)
-        self.keywords = accepted_keywords(function) if self.convention == "trl" else None
-        self.warned_scale = False
-        self.warned_skip = False
+        self.keywords = trl_keywords(function, name)  # None: called as f(completions, answer)
+        self.warned: set[str] = set()  # the kinds of warning given, each once
         self.timeout_s = timeout_s
         self.stop = stop
 
@@ -133,9 +116,14 @@ class Reward:
         return cls(task.score, f"{type(task).__name__}.score (the task's reward)", chat, timeout_s, stop)
 
     @property
+    def convention(self) -> str:
+        """``"native"`` for ``f(completions, answer)``, ``"trl"`` for TRL's ``f(prompts=, completions=, **kwargs)``."""
+        return "native" if self.keywords is None else "trl"
+
+    @property
     def called_as(self) -> str:
         """How the function is called, for messages."""
-        if self.convention == "native":
+        if self.keywords is None:
             return "called as f(completions, answer)"
         form = "message lists" if self.chat else "strings"
         return f"called the TRL way, by keyword: prompts, completions ({form}), completion_ids, answer, solution"
@@ -150,65 +138,60 @@ class Reward:
     ) -> list[float]:
         """One finite float reward per completion of one prompt; ``prompt`` is the task's text, before any template."""
         completions = list(completions)
-        if self.convention == "trl":
+        if self.keywords is None:
+            result = self.timed(lambda: self.function(completions, answer), prompt_id)
+        else:
             arguments = self.trl_arguments(completions, answer, prompt, completion_ids)
             result = self.timed(lambda: self.function(**arguments), prompt_id)
-        else:
-            result = self.timed(lambda: self.function(completions, answer), prompt_id)
         return self.checked(result, len(completions), prompt_id)
 
     def trl_arguments(
         self, completions: list[str], answer: str, prompt: str, completion_ids: Sequence[Sequence[int]] | None
     ) -> dict[str, list[Any]]:
-        """The keyword arguments TRL would pass for one prompt's completions, those the function accepts."""
+        """What TRL passes by keyword, one entry per completion, of the names the function takes.
+
+        ``prompts`` and ``completions`` (message lists under ``--data.chat_template``), ``completion_ids``, and the
+        reference as ``answer`` and ``solution``.
+        """
         count = len(completions)
         ids = [list(row) for row in completion_ids] if completion_ids is not None else [[] for _ in completions]
+        messages = [[{"role": "assistant", "content": text}] for text in completions]  # a conversational prompt's
         arguments: dict[str, list[Any]] = {
             "prompts": [[{"role": "user", "content": prompt}] if self.chat else prompt] * count,
-            "completions": as_messages(completions) if self.chat else completions,
+            "completions": messages if self.chat else completions,
             "completion_ids": ids,
             **{key: [answer] * count for key in TRL_ANSWER_NAMES},
         }
-        if self.keywords is None:
-            return arguments
         return {key: value for key, value in arguments.items() if key in self.keywords}
 
     def timed(self, call: Callable[[], Any], prompt_id: int | None) -> Any:
         """``call()``, its error and its time limit reported as one :class:`UserError` naming the function."""
         where = f" on prompt {prompt_id}" if prompt_id is not None else ""
-        if self.timeout_s is None:
-            try:
-                return call()
-            except Exception as err:
-                raise self.raised(err, where) from err
-        outcome: dict[str, Any] = {}
-        done = threading.Event()
+        outcome: Future = Future()
 
         def run() -> None:
             try:
-                outcome["result"] = call()
+                outcome.set_result(call())
             except BaseException as err:  # reported in the waiting thread
-                outcome["error"] = err
-            finally:
-                done.set()
+                outcome.set_exception(err)
 
-        # A daemon thread: one that never returns is left behind and does not keep the process alive at exit.
-        threading.Thread(target=run, name="lit_gmc-reward", daemon=True).start()
-        deadline = time.monotonic() + self.timeout_s
-        while not done.wait(min(POLL_S, max(deadline - time.monotonic(), 0.0))):
-            if self.stop():
-                raise RewardInterrupted(f"reward {self.name}: the wait for it was interrupted{where}")
-            if time.monotonic() >= deadline:
-                raise UserError(
-                    f"reward {self.name} did not return within {self.timeout_s:g} s{where} "
-                    "(--data.reward_timeout_s): the run stops here; make the reward faster or raise the limit"
-                )
-        if "error" in outcome:
-            err = outcome["error"]
-            if not isinstance(err, Exception):
-                raise err
+        if self.timeout_s is None:
+            run()  # no limit: in the caller's thread
+        else:  # a daemon thread: one that never returns is left behind, and does not keep the process alive at exit
+            threading.Thread(target=run, name="lit_gmc-reward", daemon=True).start()
+            deadline = time.monotonic() + self.timeout_s
+            while not wait([outcome], timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0))).done:
+                if self.stop():
+                    raise RewardInterrupted(f"reward {self.name}: the wait for it was interrupted{where}")
+                if time.monotonic() >= deadline:
+                    raise UserError(
+                        f"reward {self.name} did not return within {self.timeout_s:g} s{where} "
+                        "(--data.reward_timeout_s): the run stops here; make the reward faster or raise the limit"
+                    )
+        try:
+            return outcome.result()
+        except Exception as err:
             raise self.raised(err, where) from err
-        return outcome["result"]
 
     def raised(self, err: Exception, where: str) -> UserError:
         """The one-line error for a reward call that raised ``err`` (a ``UserError`` of its own stays as it is)."""
@@ -217,14 +200,12 @@ class Reward:
         return UserError(f"reward {self.name} raised {type(err).__name__}{where}: {first_line(err)}")
 
     def checked(self, result: Any, count: int, prompt_id: int | None = None) -> list[float]:
-        """``result`` as ``count`` finite floats, or one :class:`UserError` naming the function and what it returned.
-
-        ``None`` entries (TRL's "skip this example") become the mean of the others (0.0 if all are ``None``).
-        """
+        """``result`` as ``count`` finite floats (``None``: the others' mean), or one :class:`UserError`."""
         expected = f"it must return a list of {count} numbers, one reward per completion"
         who = f"reward {self.name}, {self.called_as},"
+        of_prompt = f" of prompt {prompt_id}" if prompt_id is not None else ""
         if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
-            raise UserError(f"{who} returned {short(result)} for {count} completions; {expected}")
+            raise UserError(f"{who} returned {short_repr(result, 60)} for {count} completions; {expected}")
         values = list(result)
         if len(values) != count:
             raise UserError(f"{who} returned {len(values)} values for {count} completions; {expected}")
@@ -233,48 +214,31 @@ class Reward:
             try:
                 rewards.append(None if value is None else float(value))  # bool, numpy and 0-dim torch numbers too
             except (TypeError, ValueError):
-                raise UserError(f"{who} returned {short(value)} among its rewards; {expected}") from None
+                raise UserError(f"{who} returned {short_repr(value, 60)} among its rewards; {expected}") from None
         for index, value in enumerate(rewards):
             if value is not None and not math.isfinite(value):
-                where = f"response {index}" + (f" of prompt {prompt_id}" if prompt_id is not None else "")
                 raise UserError(
-                    f"{who} gave {short(values[index])} for {where} (rewards {short(values)}): rewards must be finite "
-                    "numbers (or None, TRL's 'skip this example')"
+                    f"{who} gave {short_repr(values[index], 60)} for response {index}{of_prompt} (rewards "
+                    f"{short_repr(values, 60)}): rewards must be finite numbers (or None, TRL's 'skip this example')"
                 )
         given = [value for value in rewards if value is not None]
         if len(given) < count:
-            self.warn_skipped(count - len(given), count, prompt_id)
-        baseline = sum(given) / len(given) if given else 0.0
-        filled = [baseline if value is None else value for value in rewards]
+            self.warn_once("skip", f"reward {self.name} returned None for {count - len(given)} of {count} completions"
+                           f"{of_prompt}: taken as TRL's 'skip this example' (each gets its group's mean reward, so no "
+                           "advantage; 0.0 when the whole group is None); this warning is shown once")  # fmt: skip
         outside = [value for value in given if not 0.0 <= value <= 1.0]
-        if outside and not self.warned_scale:
-            self.warned_scale = True
-            warnings.warn(
-                f"reward {self.name} returned {outside[:4]} outside [0, 1], the range Task.score documents; they "
-                "are used as they are (this warning is shown once)",
-                stacklevel=2,
-            )
-        return filled
+        if outside:
+            self.warn_once("scale", f"reward {self.name} returned {outside[:4]} outside [0, 1], the range Task.score "
+                           "documents; they are used as they are (this warning is shown once)")  # fmt: skip
+        baseline = sum(given) / len(given) if given else 0.0
+        return [baseline if value is None else value for value in rewards]
 
-    def warn_skipped(self, skipped: int, count: int, prompt_id: int | None) -> None:
-        """Say once that ``None`` rewards were taken as TRL's "skip this example"."""
-        if self.warned_skip:
-            return
-        self.warned_skip = True
-        where = f" of prompt {prompt_id}" if prompt_id is not None else ""
-        warnings.warn(
-            f"reward {self.name} returned None for {skipped} of {count} completions{where}: taken as TRL's 'skip this "
-            "example' (each gets its group's mean reward, so no advantage; 0.0 when the whole group is None); this "
-            "warning is shown once",
-            stacklevel=3,
-        )
+    def warn_once(self, kind: str, message: str) -> None:
+        """Warn with ``message`` unless a warning of this ``kind`` was given already."""
+        if kind not in self.warned:
+            self.warned.add(kind)
+            warnings.warn(message, stacklevel=3)
 
 
 class RewardInterrupted(Interrupted):
     """A wait for a reward ended because ``stop`` turned true (a SIGTERM): the run is stopping."""
-
-
-def short(value: Any) -> str:
-    """``repr`` of a value, cut to 60 characters."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from lit_gmc.data.tasks.answers import last_boxed
+from lit_gmc.data.tasks.answers import answer_region, last_boxed
 
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy can take a while on a loaded machine
 _READY = "ready"
@@ -141,11 +141,14 @@ class MathVerifier:
         timeout_s: Hard wall-clock bound on one check; past it the worker is killed and the check scores 0.
         memory_limit_mb: Address-space cap of each worker (0: none), so a runaway expansion fails fast.
         max_answer_chars: Box contents longer than this score 0 without being parsed (no real answer is).
+        cut_at_next_problem: Score only :func:`~lit_gmc.data.tasks.answers.answer_region` (the paper scores the
+            whole completion).
     """
 
     def __init__(
-        self, num_workers: int = 2, timeout_s: float = 10.0, memory_limit_mb: int = 4096, max_answer_chars: int = 1000
-    ) -> None:
+        self, num_workers: int = 2, timeout_s: float = 10.0, memory_limit_mb: int = 4096, max_answer_chars: int = 1000,
+        cut_at_next_problem: bool = False,
+    ) -> None:  # fmt: skip
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
@@ -154,6 +157,7 @@ class MathVerifier:
         self.timeout_s = timeout_s
         self.memory_limit_mb = memory_limit_mb
         self.max_answer_chars = max_answer_chars
+        self.cut_at_next_problem = cut_at_next_problem
         self._setup()
 
     def _setup(self) -> None:
@@ -166,7 +170,8 @@ class MathVerifier:
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
     def __getstate__(self) -> dict:
-        return {k: getattr(self, k) for k in ("num_workers", "timeout_s", "memory_limit_mb", "max_answer_chars")}
+        options = ("num_workers", "timeout_s", "memory_limit_mb", "max_answer_chars", "cut_at_next_problem")
+        return {k: getattr(self, k) for k in options}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -188,6 +193,8 @@ class MathVerifier:
         out = [0.0] * len(pairs)
         jobs = []
         for index, (response, reference) in enumerate(pairs):
+            if self.cut_at_next_problem and isinstance(response, str):
+                response = answer_region(response)
             answer = last_boxed(response) if isinstance(response, str) else None
             if answer and len(answer) <= self.max_answer_chars and isinstance(reference, str):
                 jobs.append((index, reference, answer))
