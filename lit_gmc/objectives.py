@@ -277,7 +277,7 @@ def aggregate_loss(
     raise ValueError(f"unknown aggregation {mode!r}; expected one of seq_sum_over_T, token_mean, seq_mean_token_mean")
 
 
-# --- Step rules (VCPO's step size, GAC's projection) --------------------------------------------------------------
+# --- Step rules (GMC's Corollary-1 cap, VCPO's step size, GAC's projection) -------------------------------------------
 
 
 def ess_step_factor(log_w: Tensor) -> Tensor:
@@ -291,6 +291,16 @@ def ess_step_factor(log_w: Tensor) -> Tensor:
         raise ValueError("ess_step_factor needs at least one log-ratio")
     ess = torch.exp(2.0 * torch.logsumexp(lw, 0) - torch.logsumexp(2.0 * lw, 0))
     return torch.sqrt((ess / lw.numel()).clamp(max=1.0))
+
+
+def corollary1_eps(tau4: float, total_updates: int, c: float, eps_min: float, eps_max: float) -> float:
+    """Corollary 1's cap for GMC, ``clip(c * tau_bar_4^(1/7) * N^(-3/14), eps_min, eps_max)``, ``N = total_updates``.
+
+    ``tau4`` is the running averaged fourth delay moment (eq. 11, this update included). GMC's alone: the rate comes
+    from a bound whose bias term is the mass the group cap removes, which does not bound what TIC's cap removes. The
+    arguments are GMC's checked options (``cap_scale``, ``cap_min``, ``cap_max``).
+    """
+    return min(max(c * tau4 ** (1.0 / 7.0) * total_updates ** (-3.0 / 14.0), eps_min), eps_max)
 
 
 def gac_shift(
