@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ from lit_gmc.data.schedules import live, virtual_clock  # noqa: F401
 from lit_gmc.data.tasks import addition, math  # noqa: F401
 from lit_gmc.data.tasks.base import prompt_problem
 from lit_gmc.errors import UserError
-from lit_gmc.module import GMCModule, validate_model_args
+from lit_gmc.module import GMCModule
 from lit_gmc.optim import (
     CosineWithWarmup,
     OptimizerSpec,
@@ -58,8 +57,7 @@ def collect_problems(config: Namespace, given_class: Callable[[str], str | None]
 
     ``given_class(flag)``: the class the command line gives ``--optimizer`` or ``--lr_scheduler``, for messages.
     """
-    names = inspect.signature(validate_model_args).parameters  # keyword parameters named like the model's init args
-    problems = validate_model_args(**{name: config.model[name] for name in names})
+    problems = component_problems(GMCModule, vars(config.model), "--model")
     problems += class_problems(config.model.correction, "--model.correction")
     data = {key: value for key, value in vars(config.data).items() if key not in DATA_COMPONENTS}
     problems += component_problems(RolloutDataModule, data, "--data")

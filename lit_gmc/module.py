@@ -23,31 +23,13 @@ from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
 from lit_gmc.distributed import gather_groups, gather_ragged, gather_rows, local_part, rank_and_world, sum_across
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, build_optimizer, build_scheduler
+from lit_gmc.options import check_options
 from lit_gmc.resume import plain
 from lit_gmc.rules.gmc import GMC
 from lit_gmc.strategies import FSDP2Strategy  # noqa: F401  (registers --trainer.strategy fsdp2)
 
 DType = Literal["float32", "bfloat16", "float64"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def validate_model_args(
-    *, max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str
-) -> list[str]:
-    """Every problem with the module's own options, one line each, named by their CLI flags.
-
-    The rule's options are its own (``Correction.option_problems``), as are the optimizer's and the schedule's.
-    """
-    problems = []
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        problems.append(f"--model.max_grad_norm={max_grad_norm} must be > 0 (or null for no clipping)")
-    if micro_batch_groups < 1:
-        problems.append(f"--model.micro_batch_groups={micro_batch_groups} must be >= 1")
-    if logit_chunk_tokens < 1:
-        problems.append(f"--model.logit_chunk_tokens={logit_chunk_tokens} must be >= 1")
-    if dtype not in DTYPES:
-        problems.append(f"--model.dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    return problems
 
 
 def default_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -96,14 +78,7 @@ class GMCModule(pl.LightningModule):
         dtype: DType = "float32",
     ) -> None:
         super().__init__()
-        problems = validate_model_args(
-            max_grad_norm=max_grad_norm,
-            micro_batch_groups=micro_batch_groups,
-            logit_chunk_tokens=logit_chunk_tokens,
-            dtype=dtype,
-        )
-        if problems:
-            raise ValueError("invalid model options:\n  " + "\n  ".join(problems))
+        check_options("model", self.option_problems(max_grad_norm, micro_batch_groups, logit_chunk_tokens, dtype))
         self.save_hyperparameters()
         for key in ("correction", "optimizer", "lr_scheduler"):  # built objects (not through the CLI): their names
             if not isinstance(self.hparams[key], (dict, type(None))):
@@ -116,6 +91,22 @@ class GMCModule(pl.LightningModule):
         self.actor.train()  # from_pretrained returns eval mode; Lightning expects train mode in fit
         if gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
+
+    @staticmethod
+    def option_problems(
+        max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str
+    ) -> list[str]:
+        """Every problem with the module's own options, named by their init args (the rule checks its own)."""
+        problems = []
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            problems.append(f"max_grad_norm={max_grad_norm} must be > 0 (or null for no clipping)")
+        if micro_batch_groups < 1:
+            problems.append(f"micro_batch_groups={micro_batch_groups} must be >= 1")
+        if logit_chunk_tokens < 1:
+            problems.append(f"logit_chunk_tokens={logit_chunk_tokens} must be >= 1")
+        if dtype not in DTYPES:
+            problems.append(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        return problems
 
     @override
     def configure_model(self) -> None:
