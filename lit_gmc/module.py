@@ -254,9 +254,7 @@ class GMCModule(pl.LightningModule):
             )
         optimizer.step()
         self.correction.after_step(optimizer)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:  # none given: a constant learning rate
-            scheduler.step()
+        self.lr_schedulers().step()  # configure_optimizers always gives one (CosineWithWarmup by default)
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
 
