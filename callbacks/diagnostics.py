@@ -33,6 +33,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lit_gmc.objectives import tied_groups
+
 ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
 GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
 HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
@@ -93,15 +95,6 @@ def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     denominator = ((dx * dx).sum() * (dy * dy).sum()).sqrt()
     defined = (count >= 2) & ~constant(x) & ~constant(y) & (denominator > 0)
     return (dx * dy).sum() / denominator, defined
-
-
-def tied_fraction(rewards: Tensor, group_size: int) -> Tensor:
-    """Share of groups whose rewards all equal their first exactly (NaN never ties; NaN for no groups), 0-D float32.
-
-    ``lit_gmc.objectives.tied_groups`` restated, so that the callback depends on no lit_gmc module.
-    """
-    grouped = rewards.reshape(-1, group_size)  # (B, G)
-    return (grouped == grouped[:, :1]).all(-1).float().mean()
 
 
 def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
@@ -232,9 +225,9 @@ def step_tensors(
         out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.amax()})
     if "rewards" in stats and groups is not None:
         rewards = stats["rewards"].detach()  # (N,)
-        out["reward/zero_variance_fraction"] = (
-            tied_fraction(rewards, rows // groups) if rows else rewards.new_tensor(math.nan)
-        )
+        # the rules' own test of a tie: rewards exactly equal (NaN never ties); NaN for a batch without rows
+        tied = tied_groups(rewards.reshape(-1, rows // groups)) if rows else rewards.new_tensor([[math.nan]])  # (B, 1)
+        out["reward/zero_variance_fraction"] = tied.float().mean()
     if "entropy" in values:
         out["entropy/mean"] = values["entropy"].mean()
     defined: dict[str, Tensor] = {}
