@@ -1,10 +1,11 @@
 """The rules' math as pure tensor functions, grouped by what they compute, whatever paper each comes from.
 
 Ratios, advantages, per-sample and per-token coefficients, token losses, aggregation, step rules, diagnostics
-(DESIGN.md §3 and §8). No modules, config objects, logging or device moves. Rows are group-major (row ``b * G + i``
-is response ``i`` of group ``b``); token tensors are ``(N, L)``, aligned with a boolean ``mask`` of real response
-tokens. ``log rho_i = sum_t (log pi_theta(y_it) - l_it)`` is the trajectory log-ratio against the behaviour
-log-probs ``l`` the engine recorded; ``T`` is the configured maximum completion length.
+(DESIGN.md §3 and §8). No modules, config objects, logging or device moves; shapes are checked here, thresholds by
+each rule's ``option_problems``. Rows are group-major (row ``b * G + i`` is response ``i`` of group ``b``); token
+tensors are ``(N, L)``, aligned with a boolean ``mask`` of real response tokens. ``log rho_i = sum_t (log
+pi_theta(y_it) - l_it)`` is the trajectory log-ratio against the behaviour log-probs ``l`` the engine recorded;
+``T`` is the configured maximum completion length.
 
 Where this code departs from the papers or fills their gaps:
 - Ratios are exponentiated only when bounded (GMC's is at most ``G (1 + eps)``); unclipped IS is the exception,
@@ -193,8 +194,6 @@ def a3po_behavior_weight(log_weight: Tensor, mask: Tensor, cap: float | None) ->
     """
     if log_weight.shape != mask.shape or log_weight.dim() != 2:
         raise ValueError(f"log_weight must be (n, L) like mask, got {tuple(log_weight.shape)} and {tuple(mask.shape)}")
-    if cap is not None and not cap > 0:
-        raise ValueError(f"the behaviour-weight cap must be > 0, got {cap}")
     kept = mask if cap is None else mask & (log_weight <= math.log(cap))  # (n, L)
     weight = torch.exp(log_weight.clamp(max=LOG_RATIO_LIMIT)).masked_fill(~kept, 0.0)  # (n, L)
     return weight, kept
@@ -239,8 +238,6 @@ def truncated_token_ratio_loss(
     The shared form of CISPO and TIS. Returns the ``(n, L)`` loss (zeros on padding) and the ``(n, L)``
     mask of real tokens whose ratio was truncated.
     """
-    if not cap > 0:
-        raise ValueError(f"the ratio cap must be > 0, got {cap}")
     log_r = (token_logprobs.detach() - behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L)
     weight = torch.exp(log_r.clamp(max=math.log(cap)))  # (n, L) min(r, cap)
     coef = (weight * advantages.detach()[:, None]).detach()  # (n, L)
