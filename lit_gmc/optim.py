@@ -62,7 +62,6 @@ class CosineWithWarmup(LambdaLR):
         def multiplier(step: int) -> float:  # a plain function: LambdaLR leaves it out of its state_dict
             return cosine(step + 1 if step < warmup else step)
 
-        self.warmup_steps = warmup
         super().__init__(optimizer, multiplier, last_epoch)
 
 
