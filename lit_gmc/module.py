@@ -148,23 +148,6 @@ class GMCModule(pl.LightningModule):
             temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
         )  # fmt: skip
 
-    def policy_terms(
-        self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None, delays: Tensor | None = None
-    ) -> PolicyTerms:
-        """The correction rule's inputs: ``logprobs`` of the current policy with the batch's behaviour data.
-
-        ``delays``: the batch's ``(n,)`` delays at this step, when the caller has them already.
-        """
-        return PolicyTerms(
-            token_logprobs=logprobs,
-            behavior_logprobs=batch.behavior_logprobs.to(logprobs.dtype),
-            mask=batch.response_mask,
-            rewards=batch.rewards.to(logprobs.dtype),
-            delays=batch.delays(self.global_step) if delays is None else delays,
-            group_size=batch.group_size,
-            grad_norms_sq=grad_norms_sq,
-        )
-
     def trajectory_grad_norms_sq(self, part: RolloutBatch) -> Tensor:
         """Exact ``||grad_theta log pi_theta(y_i | x_i)||^2`` of every row of ``part``: one backward per trajectory.
 
@@ -202,7 +185,16 @@ class GMCModule(pl.LightningModule):
         # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
         norms = self.trajectory_grad_norms_sq(part) if self.correction.needs_grad_norms else None  # (n,) or None
         logprobs, entropy = self(part.input_ids, part.attention_mask, part.prompt_width)  # (n, L), (n, L)
-        out = self.correction(self.policy_terms(part, logprobs, norms, delays))
+        terms = PolicyTerms(
+            token_logprobs=logprobs,
+            behavior_logprobs=part.behavior_logprobs.to(logprobs.dtype),
+            mask=part.response_mask,
+            rewards=part.rewards.to(logprobs.dtype),
+            delays=part.delays(self.global_step) if delays is None else delays,
+            group_size=part.group_size,
+            grad_norms_sq=norms,
+        )
+        out = self.correction(terms)
         loss = O.aggregate_loss(
             out.token_loss,
             part.response_mask,
