@@ -215,6 +215,9 @@ class GMCModule(pl.LightningModule):
         # DDP and FSDP2 average gradients over ranks; each rank's loss is its share of the whole update's loss
         # (global normalisers), so scaling by the world size makes the averaged gradient the whole batch's.
         _, world = rank_and_world()
+        # DDP: gradients are all-reduced once, with the last micro-batch; Lightning's block_backward_sync (DDP's
+        # no_sync) holds back the others. FSDP2 reduce-scatters each one, which keeps its gradients sharded.
+        hold_sync = getattr(self.trainer.strategy, "block_backward_sync", None)
         losses, outputs, entropies, logprobs = [], [], [], []
         starts = range(0, batch.num_groups, per_pass)
         for start in starts:
@@ -222,10 +225,7 @@ class GMCModule(pl.LightningModule):
             part = batch.groups_slice(start, stop)  # views
             part_delays = delays[start * batch.group_size : stop * batch.group_size]  # (n_part,), a view
             loss, out, entropy, current = self.micro_batch_loss(batch, part, part_delays)
-            # DDP: gradients are all-reduced once, with the last micro-batch (FSDP2 reduce-scatters each one, which
-            # keeps its gradients sharded between micro-batches).
-            last = start == starts[-1]
-            with contextlib.nullcontext() if last else self._without_gradient_sync():
+            with hold_sync() if hold_sync is not None and start != starts[-1] else contextlib.nullcontext():
                 self.manual_backward(loss * world if world > 1 else loss)
             losses.append(loss.detach())
             outputs.append(out)
@@ -249,12 +249,6 @@ class GMCModule(pl.LightningModule):
         self.lr_schedulers().step()  # configure_optimizers always gives one (CosineWithWarmup by default)
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
-
-    def _without_gradient_sync(self) -> contextlib.AbstractContextManager:
-        """Lightning's DDP gradient-sync block (``DistributedDataParallel.no_sync``); a no-op elsewhere."""
-        trainer = self._trainer
-        block = getattr(trainer.strategy, "block_backward_sync", None) if trainer is not None else None
-        return block() if block is not None else contextlib.nullcontext()
 
     def _first_non_finite_grad(self) -> str:
         """``" (first non-finite in <name>)"`` for the first parameter whose local gradient is not finite, or ``""``."""
