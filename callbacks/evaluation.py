@@ -99,14 +99,11 @@ def file_suite(
     samples: int | None = None,
     max_problems: int | None = None,
     max_prompt_tokens: int | None = None,
-    chat_template: bool = False,
-    chat_option: str = "Evaluation chat_template",
 ) -> Suite:
     """The suite of a :class:`BenchmarkFile`: its rows, prompts from its template, its scorer.
 
     ``default_scorer()`` gives the scorer of a file without one; ``samples`` overrides the file's own; ``ks`` above
-    it are left out; ``tokenizer`` counts prompt tokens for ``max_prompt_tokens`` and, with ``chat_template``, wraps
-    the cut prompts in its chat template (``chat_option`` is named when it has none). Raises a ``UserError`` naming
+    it are left out; ``tokenizer`` counts prompt tokens for ``max_prompt_tokens``. Raises a ``UserError`` naming
     the benchmark for a bad template or scorer, or a missing or malformed file.
     """
     from lit_gmc.data.tasks.base import Prompt, truncate_prompt
@@ -128,10 +125,6 @@ def file_suite(
     except (UserError, ValueError) as err:
         raise UserError(f"benchmark {spec.name!r}: {err}") from err
     prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
-    if chat_template:
-        from lit_gmc.data.tasks.base import prompts_in_chat_template
-
-        prompts = prompts_in_chat_template(prompts, tokenizer, chat_option)
     n = samples or spec.samples
     return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer, len(skipped))
 
