@@ -59,8 +59,7 @@ def collect_problems(config: Namespace, given_class: Callable[[str], str | None]
     """
     problems = component_problems(GMCModule, vars(config.model), "--model")
     problems += class_problems(config.model.correction, "--model.correction")
-    data = {key: value for key, value in vars(config.data).items() if key not in DATA_COMPONENTS}
-    problems += component_problems(RolloutDataModule, data, "--data")
+    problems += component_problems(RolloutDataModule, vars(config.data), "--data")
     for key in DATA_COMPONENTS:
         problems += class_problems(config.data[key], f"--data.{key}")
     problems += unresolved_problems(config.get("optimizer"), "--optimizer", given_class)
