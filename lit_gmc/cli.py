@@ -41,7 +41,7 @@ from lit_gmc.optim import (
 )
 from lit_gmc.options import component_problems
 from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, given_value, parse_error_message, without_option
-from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
+from lit_gmc.resume import check_resume, checkpoint_file, read_checkpoint, run_settings
 from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints
 
 DESCRIPTION = (
@@ -300,12 +300,12 @@ class GMCCLI(LightningCLI):
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         configured = list(configured) if isinstance(configured, list) else [configured]  # the trainer extends it
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.callbacks.append(RunSettings(run_settings(self.subcommand_config())))  # read back on resume
         # First, so that a run refused for a folder in use writes nothing there (SaveConfigCallback's config.yaml)
-        trainer.callbacks.insert(0, RunFolder(self.subcommand_config().checkpoint.dirpath))
+        config = self.subcommand_config()
+        trainer.callbacks.insert(0, RunFolder(config.checkpoint.dirpath, run_settings(config)))
         bar = trainer.progress_bar_callback
         if type(bar) is RichProgressBar and not any(c is bar for c in configured):  # Lightning's default bar
-            every = self.subcommand_config().get("progress_every")
+            every = config.get("progress_every")
             trainer.callbacks[trainer.callbacks.index(bar)] = default_progress_bar(sys.stdout.isatty(), every)
         return trainer
 
