@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 from transformers.utils import logging as transformers_logging
 from typing_extensions import override
 
+import lit_gmc
 from lit_gmc import preflight
 from lit_gmc.actor import context_problem, tiny_alphabet_problem
 from lit_gmc.callbacks.progress import ProgressLines
@@ -43,11 +44,6 @@ from lit_gmc.options import component_problems
 from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, given_value, parse_error_message, without_option
 from lit_gmc.resume import check_resume, checkpoint_file, read_checkpoint, run_settings
 from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints
-
-DESCRIPTION = (
-    "Asynchronous RL post-training of LLMs on stale rollouts (GMC-GRPO and its baselines), in Lightning. Commands: "
-    "fit (train; lit_gmc fit --help) and export (a checkpoint to a transformers folder; lit_gmc export --help)."
-)
 
 OPTION_OWNERS = {"--model": GMCModule, "--data": RolloutDataModule}  # whose may_change_on_resume a resume asks
 
@@ -131,7 +127,7 @@ class GMCCLI(LightningCLI):
         commands = {cmd: defaults for cmd in self.subcommands()}
         # allow_abbrev=False: argparse would take --trainer.max_step 7 as --trainer.max_steps (jsonargparse passes the
         # main parser's setting to its subcommands).
-        main_parser = {"exit_on_error": False, "allow_abbrev": False, "prog": "lit_gmc", "description": DESCRIPTION}
+        main_parser = {"exit_on_error": False, "allow_abbrev": False, "prog": "lit_gmc", "description": lit_gmc.__doc__}
         kwargs.setdefault("parser_kwargs", {**main_parser, **commands})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # --optimizer and --lr_scheduler are the module's init args (add_arguments_to_parser), built by the module in
