@@ -278,9 +278,6 @@ class Evaluation(pl.Callback):
         # refused, as by scripts/evaluate.py: the math scorer would score a file's own answers 0.0 without a word
         problems += [f"benchmarks {spec.name!r}: {spec.path} has no scorer; give it one (an import path, e.g. "
                      "my_project.exact_match) or give the callback's scorer" for spec in unscored]  # fmt: skip
-        odd = [spec for spec in benchmarks if not isinstance(spec, (str, BenchmarkFile))]
-        if odd:
-            problems.append(f"benchmarks entries must be names or BenchmarkFile, got {odd!r:.200}")
         if every_n_steps is not None and every_n_steps < 1:
             problems.append(f"every_n_steps={every_n_steps} must be >= 1 (or null)")
         if any(step < 0 for step in at_steps):
