@@ -241,8 +241,7 @@ class GMCCLI(LightningCLI):
         if not config.get("ckpt_path"):
             refuse_earlier_checkpoints(config.checkpoint.dirpath)
         else:
-            settings = run_settings(config) if self.config.get("subcommand") == "fit" else None
-            check_resume(config.ckpt_path, config.checkpoint.dirpath, settings, OPTION_OWNERS)
+            check_resume(config.ckpt_path, config.checkpoint.dirpath, run_settings(config), OPTION_OWNERS)
             continue_logger_version(config)
 
     @override

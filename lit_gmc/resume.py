@@ -165,17 +165,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def check_resume(
-    ckpt_path: str | None, dirpath: str | None, settings: Mapping[str, Any] | None, owners: Mapping[str, type]
-) -> None:
+def check_resume(ckpt_path: str, dirpath: str | None, settings: Mapping[str, Any], owners: Mapping[str, type]) -> None:
     """Raise a :class:`UserError` when ``--ckpt_path`` is no lit_gmc checkpoint, or was saved with other settings.
 
-    ``settings`` (this run's :func:`run_settings`; ``None`` skips the comparison) must agree with the
-    checkpoint's in every option both record, except those that may change (:func:`may_change`; ``owners``: the
-    classes of ``--model`` and ``--data``). Warns when a save over the checkpoint was killed before it was put in
-    place, so that the run goes back further than its last save.
+    ``settings`` (this run's :func:`run_settings`) must agree with the checkpoint's in every option both record,
+    except those that may change (:func:`may_change`; ``owners``: the classes of ``--model`` and ``--data``). Warns
+    when a save over the checkpoint was killed before it was put in place, so that the run goes back further than
+    its last save.
     """
-    path = checkpoint_file(ckpt_path, dirpath) if ckpt_path else None
+    path = checkpoint_file(ckpt_path, dirpath)
     if path is None:
         return
     checkpoint = read_checkpoint(path)
@@ -184,7 +182,7 @@ def check_resume(
             f"--ckpt_path {path}: resuming from its step {checkpoint.get('global_step')}; a later save of it was "
             f"killed before it was put in place ({beside(path, STAGING).name}, removed at the next save)"
         )
-    changes = changed_settings(saved_settings(checkpoint), settings, owners) if settings is not None else []
+    changes = changed_settings(saved_settings(checkpoint), settings, owners)
     if changes:
         raise UserError(
             f"--ckpt_path {path} was saved with other settings, and resuming would change the run:\n  "
