@@ -97,33 +97,19 @@ def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return (dx * dy).sum() / denominator, defined
 
 
-def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
-    """``[start, stop)`` of the centred window of width ``window`` around ``index`` in a series of ``count``.
-
-    It spans ``window // 2`` values before and ``window - 1 - window // 2`` after, cut at the series' ends (as
-    pandas' ``rolling(window, center=True, min_periods=1)``).
-    """
-    before = window // 2
-    return max(0, index - before), min(count, index + window - before)
-
-
 def centred_rolling_mean(values: Sequence[float], window: int) -> list[float]:
-    """Centred rolling mean of a whole series, as :class:`CentredRollingMean` gives it online (for the plots).
-
-    pandas' ``rolling(window, center=True, min_periods=1).mean()``, without depending on pandas.
-    """
-    out = []
-    for i in range(len(values)):
-        start, stop = centred_window(i, len(values), window)
-        out.append(sum(values[start:stop]) / (stop - start))
-    return out
+    """Centred rolling mean of a whole series (for the plots): :class:`CentredRollingMean` run over it."""
+    rolling = CentredRollingMean(window)
+    means = [mean for index, value in enumerate(values) for _, mean in rolling.push(index, value)]
+    return means + [mean for _, mean in rolling.flush()]
 
 
 class CentredRollingMean:
-    """Online centred rolling mean, exactly :func:`centred_rolling_mean` of the pushed series.
+    """Online centred rolling mean, pandas' ``rolling(window, center=True, min_periods=1).mean()`` as values come.
 
-    Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last ones on
-    :meth:`flush`; the state is checkpointable. The libraries' centred windows need the whole series, and a
+    A centre's window spans ``window // 2`` values before it and ``window - 1 - window // 2`` after, cut at the
+    series' ends. Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last
+    ones on :meth:`flush`; the state is checkpointable. The libraries' centred windows need the whole series, and a
     training run has only its past.
     """
 
@@ -150,7 +136,7 @@ class CentredRollingMean:
         out = []
         first = self.count - len(self.buffer)  # series index of buffer[0]
         while self.emitted <= last:
-            start, stop = centred_window(self.emitted, self.count, self.window)
+            start, stop = max(0, self.emitted - self.window // 2), min(self.count, self.emitted + self.after + 1)
             values = [v for k, (_, v) in enumerate(self.buffer) if start <= first + k < stop]
             out.append((self.buffer[self.emitted - first][0], sum(values) / len(values)))
             self.emitted += 1
