@@ -33,6 +33,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lit_gmc.objectives import tied_groups
+
 ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
 GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
 HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
@@ -95,42 +97,19 @@ def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return (dx * dy).sum() / denominator, defined
 
 
-def tied_fraction(rewards: Tensor, group_size: int) -> Tensor:
-    """Share of groups whose rewards all equal their first exactly (NaN never ties; NaN for no groups), 0-D float32.
-
-    ``lit_gmc.objectives.tied_groups`` restated, so that the callback depends on no lit_gmc module.
-    """
-    grouped = rewards.reshape(-1, group_size)  # (B, G)
-    return (grouped == grouped[:, :1]).all(-1).float().mean()
-
-
-def centred_window(index: int, count: int, window: int) -> tuple[int, int]:
-    """``[start, stop)`` of the centred window of width ``window`` around ``index`` in a series of ``count``.
-
-    It spans ``window // 2`` values before and ``window - 1 - window // 2`` after, cut at the series' ends (as
-    pandas' ``rolling(window, center=True, min_periods=1)``).
-    """
-    before = window // 2
-    return max(0, index - before), min(count, index + window - before)
-
-
 def centred_rolling_mean(values: Sequence[float], window: int) -> list[float]:
-    """Centred rolling mean of a whole series, as :class:`CentredRollingMean` gives it online (for the plots).
-
-    pandas' ``rolling(window, center=True, min_periods=1).mean()``, without depending on pandas.
-    """
-    out = []
-    for i in range(len(values)):
-        start, stop = centred_window(i, len(values), window)
-        out.append(sum(values[start:stop]) / (stop - start))
-    return out
+    """Centred rolling mean of a whole series (for the plots): :class:`CentredRollingMean` run over it."""
+    rolling = CentredRollingMean(window)
+    means = [mean for index, value in enumerate(values) for _, mean in rolling.push(index, value)]
+    return means + [mean for _, mean in rolling.flush()]
 
 
 class CentredRollingMean:
-    """Online centred rolling mean, exactly :func:`centred_rolling_mean` of the pushed series.
+    """Online centred rolling mean, pandas' ``rolling(window, center=True, min_periods=1).mean()`` as values come.
 
-    Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last ones on
-    :meth:`flush`; the state is checkpointable. The libraries' centred windows need the whole series, and a
+    A centre's window spans ``window // 2`` values before it and ``window - 1 - window // 2`` after, cut at the
+    series' ends. Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last
+    ones on :meth:`flush`; the state is checkpointable. The libraries' centred windows need the whole series, and a
     training run has only its past.
     """
 
@@ -157,7 +136,7 @@ class CentredRollingMean:
         out = []
         first = self.count - len(self.buffer)  # series index of buffer[0]
         while self.emitted <= last:
-            start, stop = centred_window(self.emitted, self.count, self.window)
+            start, stop = max(0, self.emitted - self.window // 2), min(self.count, self.emitted + self.after + 1)
             values = [v for k, (_, v) in enumerate(self.buffer) if start <= first + k < stop]
             out.append((self.buffer[self.emitted - first][0], sum(values) / len(values)))
             self.emitted += 1
@@ -232,9 +211,9 @@ def step_tensors(
         out.update({"response_length/mean": lengths.mean(), "response_length/max": lengths.amax()})
     if "rewards" in stats and groups is not None:
         rewards = stats["rewards"].detach()  # (N,)
-        out["reward/zero_variance_fraction"] = (
-            tied_fraction(rewards, rows // groups) if rows else rewards.new_tensor(math.nan)
-        )
+        # the rules' own test of a tie: rewards exactly equal (NaN never ties); NaN for a batch without rows
+        tied = tied_groups(rewards.reshape(-1, rows // groups)) if rows else rewards.new_tensor([[math.nan]])  # (B, 1)
+        out["reward/zero_variance_fraction"] = tied.float().mean()
     if "entropy" in values:
         out["entropy/mean"] = values["entropy"].mean()
     defined: dict[str, Tensor] = {}

@@ -20,7 +20,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torchmetrics.aggregation import SumMetric
 from typing_extensions import override
 
 from lit_gmc.callbacks.metrics import PAPER_KS, AvgAtN, GreedyAccuracy, MacroAverage, PassAtK
@@ -100,14 +99,11 @@ def file_suite(
     samples: int | None = None,
     max_problems: int | None = None,
     max_prompt_tokens: int | None = None,
-    chat_template: bool = False,
-    chat_option: str = "Evaluation chat_template",
 ) -> Suite:
     """The suite of a :class:`BenchmarkFile`: its rows, prompts from its template, its scorer.
 
     ``default_scorer()`` gives the scorer of a file without one; ``samples`` overrides the file's own; ``ks`` above
-    it are left out; ``tokenizer`` counts prompt tokens for ``max_prompt_tokens`` and, with ``chat_template``, wraps
-    the cut prompts in its chat template (``chat_option`` is named when it has none). Raises a ``UserError`` naming
+    it are left out; ``tokenizer`` counts prompt tokens for ``max_prompt_tokens``. Raises a ``UserError`` naming
     the benchmark for a bad template or scorer, or a missing or malformed file.
     """
     from lit_gmc.data.tasks.base import Prompt, truncate_prompt
@@ -129,10 +125,6 @@ def file_suite(
     except (UserError, ValueError) as err:
         raise UserError(f"benchmark {spec.name!r}: {err}") from err
     prompts = [Prompt(i, text, item.answer) for i, (text, item) in enumerate(zip(texts, items, strict=True))]
-    if chat_template:
-        from lit_gmc.data.tasks.base import prompts_in_chat_template
-
-        prompts = prompts_in_chat_template(prompts, tokenizer, chat_option)
     n = samples or spec.samples
     return Suite(spec.name, spec.title or spec.name, prompts, n, tuple(k for k in ks if k <= n), scorer, len(skipped))
 
@@ -206,9 +198,7 @@ def evaluate_suites(
             metric.update(values)
         macro_greedy.update(suite.name, first)
         macro_avg.update(suite.name, many.mean(dim=1))
-        count = SumMetric(**local)
-        count.update(float(len(suite.prompts)))
-        entry = {"title": suite.title, "problems": int(count.compute()), "skipped": suite.skipped, "n": suite.n}
+        entry = {"title": suite.title, "problems": len(suite.prompts), "skipped": suite.skipped, "n": suite.n}
         entry.update({"greedy": float(accuracy.compute()), "avg@n": float(avg.compute())})
         entry.update({k: float(v) for k, v in pass_k.compute().items()})
         results["benchmarks"][suite.name] = entry
@@ -288,9 +278,6 @@ class Evaluation(pl.Callback):
         # refused, as by scripts/evaluate.py: the math scorer would score a file's own answers 0.0 without a word
         problems += [f"benchmarks {spec.name!r}: {spec.path} has no scorer; give it one (an import path, e.g. "
                      "my_project.exact_match) or give the callback's scorer" for spec in unscored]  # fmt: skip
-        odd = [spec for spec in benchmarks if not isinstance(spec, (str, BenchmarkFile))]
-        if odd:
-            problems.append(f"benchmarks entries must be names or BenchmarkFile, got {odd!r:.200}")
         if every_n_steps is not None and every_n_steps < 1:
             problems.append(f"every_n_steps={every_n_steps} must be >= 1 (or null)")
         if any(step < 0 for step in at_steps):
@@ -333,7 +320,8 @@ class Evaluation(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lit_gmc.data.tasks.benchmarks import BENCHMARKS
+        from lit_gmc.data.tasks.base import prompts_in_chat_template
+        from lit_gmc.data.tasks.benchmarks import BENCHMARKS, BenchmarkUnreachable
         from lit_gmc.errors import UserError
 
         unknown = [spec for spec in self.benchmarks if isinstance(spec, str) and spec not in BENCHMARKS]
@@ -359,9 +347,17 @@ class Evaluation(pl.Callback):
                 "Evaluation needs a tokenizer with batch_decode(rows, skip_special_tokens=True): pass `tokenizer`, "
                 f"or use a DataModule with a `tokenizer` attribute (got {type(self.tokenizer).__name__})"
             )
-        self.suites = [
-            self.registered_suite(spec) if isinstance(spec, str) else self.file_suite(spec) for spec in self.benchmarks
-        ]
+        try:
+            self.suites = [self.suite(spec) for spec in self.benchmarks]
+        except BenchmarkUnreachable as err:
+            raise UserError(
+                f"Evaluation: {err}; set the callback's data_dir (a folder of local copies) or sources"
+            ) from err
+        except UserError as err:  # it names the benchmark, the file and line: say whose option gave it
+            raise UserError(f"Evaluation: {err}") from err
+        if self.chat_template:  # after the max_prompt_tokens cut, as for training prompts
+            for suite in self.suites:
+                suite.prompts = prompts_in_chat_template(suite.prompts, self.tokenizer, "Evaluation chat_template")
 
     def math_scorer(self) -> Scorer:
         """The scorer given, else the MATH scorer, built once (its verifier processes start on first need)."""
@@ -371,39 +367,21 @@ class Evaluation(pl.Callback):
             self.scorer = MathVerifier(num_workers=self.verifier_workers, cut_at_next_problem=self.cut_at_next_problem)
         return self.scorer
 
-    def registered_suite(self, name: str) -> Suite:
-        """One of the paper's benchmarks, with the two-shot math prompt and the math scorer."""
-        from lit_gmc.data.tasks.base import prompts_in_chat_template
-        from lit_gmc.data.tasks.benchmarks import BenchmarkUnreachable, load_benchmark
+    def suite(self, spec: str | BenchmarkFile) -> Suite:
+        """A benchmark's suite: a user's file with its own template and scorer, or a named one with the math ones."""
+        if isinstance(spec, BenchmarkFile):
+            return file_suite(spec, self.tokenizer, self.math_scorer, self.ks, self.samples, self.max_problems,
+                              self.max_prompt_tokens)  # fmt: skip
+        from lit_gmc.data.tasks.benchmarks import load_benchmark
         from lit_gmc.data.tasks.math_data import make_prompts
-        from lit_gmc.errors import UserError
 
-        try:
-            bench = load_benchmark(name, source=self.sources.get(name), data_dir=self.data_dir)
-        except BenchmarkUnreachable as err:
-            raise UserError(
-                f"Evaluation: {err}; set the callback's data_dir (a folder of local copies) or sources"
-            ) from err
-        except UserError as err:  # names the file and line; say whose option gave it
-            raise UserError(f"Evaluation: {err}") from err
+        bench = load_benchmark(spec, source=self.sources.get(spec), data_dir=self.data_dir)
         items = bench.items[: self.max_problems]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], self.tokenizer,
                                self.max_prompt_tokens)  # fmt: skip
-        if self.chat_template:
-            prompts = prompts_in_chat_template(prompts, self.tokenizer, "Evaluation chat_template")
         n = self.samples or bench.samples
         ks = tuple(k for k in self.ks if k <= n)
-        return Suite(name, bench.title, prompts, n, ks, self.math_scorer(), len(bench.skipped))
-
-    def file_suite(self, spec: BenchmarkFile) -> Suite:
-        """A user's benchmark file, with its own template and scorer."""
-        from lit_gmc.errors import UserError
-
-        try:
-            return file_suite(spec, self.tokenizer, self.math_scorer, self.ks, self.samples, self.max_problems,
-                              self.max_prompt_tokens, self.chat_template)  # fmt: skip
-        except UserError as err:
-            raise UserError(f"Evaluation: {err}") from err
+        return Suite(spec, bench.title, prompts, n, ks, self.math_scorer(), len(bench.skipped))
 
     def run(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Evaluate now, log the scalars at ``trainer.global_step`` and append to the history."""

@@ -42,10 +42,7 @@ def escape(text: str) -> str:
 
 def sample_rows(batch: SampledBatch, rows: int) -> list[int]:
     """Up to ``rows`` row indices, one per group first (the first response of each), so prompts differ."""
-    groups = batch.rewards.numel() // batch.group_size
-    firsts = [g * batch.group_size for g in range(groups)]
-    rest = [r for r in range(batch.rewards.numel()) if r not in set(firsts)]
-    return (firsts + rest)[:rows]
+    return sorted(range(batch.rewards.numel()), key=lambda row: row % batch.group_size != 0)[:rows]  # a stable sort
 
 
 def samples_table(

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+import lit_gmc
 from lit_gmc.errors import UserError
 
 # Before anything imports TRL, which sets VLLM_LOGGING_LEVEL=ERROR where it is unset: the servers a run launches log
@@ -25,12 +26,11 @@ COMMANDS = {
     "fit": "train a policy on stale rollouts (lit-gmc fit --help lists its options)",
     "export": "write a checkpoint's policy as a transformers folder (lit-gmc export --help)",
 }
-DESCRIPTION = "Asynchronous RL post-training of LLMs on stale rollouts (GMC-GRPO and its baselines), in Lightning."
 
 
 def command_parser() -> argparse.ArgumentParser:
     """The parser of ``lit-gmc`` itself: its ``--help`` lists the commands (each command parses its own options)."""
-    parser = argparse.ArgumentParser(prog="lit_gmc", description=DESCRIPTION, exit_on_error=False)
+    parser = argparse.ArgumentParser(prog="lit_gmc", description=lit_gmc.__doc__, exit_on_error=False)
     commands = parser.add_subparsers(title="commands", metavar="{" + ",".join(COMMANDS) + "}")
     for name, help_text in COMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)

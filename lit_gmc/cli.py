@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 from transformers.utils import logging as transformers_logging
 from typing_extensions import override
 
+import lit_gmc
 from lit_gmc import preflight
 from lit_gmc.actor import context_problem, tiny_alphabet_problem
 from lit_gmc.callbacks.progress import ProgressLines
@@ -31,7 +31,7 @@ from lit_gmc.data.schedules import live, virtual_clock  # noqa: F401
 from lit_gmc.data.tasks import addition, math  # noqa: F401
 from lit_gmc.data.tasks.base import prompt_problem
 from lit_gmc.errors import UserError
-from lit_gmc.module import GMCModule, validate_model_args
+from lit_gmc.module import GMCModule
 from lit_gmc.optim import (
     CosineWithWarmup,
     OptimizerSpec,
@@ -42,13 +42,8 @@ from lit_gmc.optim import (
 )
 from lit_gmc.options import component_problems
 from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, given_value, parse_error_message, without_option
-from lit_gmc.resume import RunSettings, check_resume, checkpoint_file, read_checkpoint, run_settings
+from lit_gmc.resume import check_resume, checkpoint_file, read_checkpoint, run_settings
 from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints
-
-DESCRIPTION = (
-    "Asynchronous RL post-training of LLMs on stale rollouts (GMC-GRPO and its baselines), in Lightning. Commands: "
-    "fit (train; lit_gmc fit --help) and export (a checkpoint to a transformers folder; lit_gmc export --help)."
-)
 
 OPTION_OWNERS = {"--model": GMCModule, "--data": RolloutDataModule}  # whose may_change_on_resume a resume asks
 
@@ -58,11 +53,9 @@ def collect_problems(config: Namespace, given_class: Callable[[str], str | None]
 
     ``given_class(flag)``: the class the command line gives ``--optimizer`` or ``--lr_scheduler``, for messages.
     """
-    names = inspect.signature(validate_model_args).parameters  # keyword parameters named like the model's init args
-    problems = validate_model_args(**{name: config.model[name] for name in names})
+    problems = component_problems(GMCModule, vars(config.model), "--model")
     problems += class_problems(config.model.correction, "--model.correction")
-    data = {key: value for key, value in vars(config.data).items() if key not in DATA_COMPONENTS}
-    problems += component_problems(RolloutDataModule, data, "--data")
+    problems += component_problems(RolloutDataModule, vars(config.data), "--data")
     for key in DATA_COMPONENTS:
         problems += class_problems(config.data[key], f"--data.{key}")
     problems += unresolved_problems(config.get("optimizer"), "--optimizer", given_class)
@@ -134,7 +127,7 @@ class GMCCLI(LightningCLI):
         commands = {cmd: defaults for cmd in self.subcommands()}
         # allow_abbrev=False: argparse would take --trainer.max_step 7 as --trainer.max_steps (jsonargparse passes the
         # main parser's setting to its subcommands).
-        main_parser = {"exit_on_error": False, "allow_abbrev": False, "prog": "lit_gmc", "description": DESCRIPTION}
+        main_parser = {"exit_on_error": False, "allow_abbrev": False, "prog": "lit_gmc", "description": lit_gmc.__doc__}
         kwargs.setdefault("parser_kwargs", {**main_parser, **commands})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # --optimizer and --lr_scheduler are the module's init args (add_arguments_to_parser), built by the module in
@@ -248,8 +241,7 @@ class GMCCLI(LightningCLI):
         if not config.get("ckpt_path"):
             refuse_earlier_checkpoints(config.checkpoint.dirpath)
         else:
-            settings = run_settings(config) if self.config.get("subcommand") == "fit" else None
-            check_resume(config.ckpt_path, config.checkpoint.dirpath, settings, OPTION_OWNERS)
+            check_resume(config.ckpt_path, config.checkpoint.dirpath, run_settings(config), OPTION_OWNERS)
             continue_logger_version(config)
 
     @override
@@ -303,12 +295,12 @@ class GMCCLI(LightningCLI):
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         configured = list(configured) if isinstance(configured, list) else [configured]  # the trainer extends it
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.callbacks.append(RunSettings(run_settings(self.subcommand_config())))  # read back on resume
         # First, so that a run refused for a folder in use writes nothing there (SaveConfigCallback's config.yaml)
-        trainer.callbacks.insert(0, RunFolder(self.subcommand_config().checkpoint.dirpath))
+        config = self.subcommand_config()
+        trainer.callbacks.insert(0, RunFolder(config.checkpoint.dirpath, run_settings(config)))
         bar = trainer.progress_bar_callback
         if type(bar) is RichProgressBar and not any(c is bar for c in configured):  # Lightning's default bar
-            every = self.subcommand_config().get("progress_every")
+            every = config.get("progress_every")
             trainer.callbacks[trainer.callbacks.index(bar)] = default_progress_bar(sys.stdout.isatty(), every)
         return trainer
 

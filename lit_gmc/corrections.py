@@ -182,11 +182,3 @@ class Correction:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         del state
-
-
-def trajectory_output(
-    terms: PolicyTerms, coefficients: Tensor, advantages: Tensor, log_rho: Tensor
-) -> CorrectionOutput:
-    """A trajectory-level rule's output, for a rule that writes its own ``__call__``: the surrogate per token."""
-    loss = O.surrogate_token_loss(coefficients * advantages, terms.token_logprobs, terms.mask)  # (n, L)
-    return CorrectionOutput(loss, log_rho.detach(), coefficients.detach(), advantages.detach())

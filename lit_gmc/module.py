@@ -23,31 +23,13 @@ from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms
 from lit_gmc.distributed import gather_groups, gather_ragged, gather_rows, local_part, rank_and_world, sum_across
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.optim import CosineWithWarmup, OptimizerSpec, SchedulerSpec, build_optimizer, build_scheduler
+from lit_gmc.options import check_options
 from lit_gmc.resume import plain
 from lit_gmc.rules.gmc import GMC
 from lit_gmc.strategies import FSDP2Strategy  # noqa: F401  (registers --trainer.strategy fsdp2)
 
 DType = Literal["float32", "bfloat16", "float64"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def validate_model_args(
-    *, max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str
-) -> list[str]:
-    """Every problem with the module's own options, one line each, named by their CLI flags.
-
-    The rule's options are its own (``Correction.option_problems``), as are the optimizer's and the schedule's.
-    """
-    problems = []
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        problems.append(f"--model.max_grad_norm={max_grad_norm} must be > 0 (or null for no clipping)")
-    if micro_batch_groups < 1:
-        problems.append(f"--model.micro_batch_groups={micro_batch_groups} must be >= 1")
-    if logit_chunk_tokens < 1:
-        problems.append(f"--model.logit_chunk_tokens={logit_chunk_tokens} must be >= 1")
-    if dtype not in DTYPES:
-        problems.append(f"--model.dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    return problems
 
 
 def default_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -96,14 +78,7 @@ class GMCModule(pl.LightningModule):
         dtype: DType = "float32",
     ) -> None:
         super().__init__()
-        problems = validate_model_args(
-            max_grad_norm=max_grad_norm,
-            micro_batch_groups=micro_batch_groups,
-            logit_chunk_tokens=logit_chunk_tokens,
-            dtype=dtype,
-        )
-        if problems:
-            raise ValueError("invalid model options:\n  " + "\n  ".join(problems))
+        check_options("model", self.option_problems(max_grad_norm, micro_batch_groups, logit_chunk_tokens, dtype))
         self.save_hyperparameters()
         for key in ("correction", "optimizer", "lr_scheduler"):  # built objects (not through the CLI): their names
             if not isinstance(self.hparams[key], (dict, type(None))):
@@ -116,6 +91,22 @@ class GMCModule(pl.LightningModule):
         self.actor.train()  # from_pretrained returns eval mode; Lightning expects train mode in fit
         if gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
+
+    @staticmethod
+    def option_problems(
+        max_grad_norm: float | None, micro_batch_groups: int, logit_chunk_tokens: int, dtype: str
+    ) -> list[str]:
+        """Every problem with the module's own options, named by their init args (the rule checks its own)."""
+        problems = []
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            problems.append(f"max_grad_norm={max_grad_norm} must be > 0 (or null for no clipping)")
+        if micro_batch_groups < 1:
+            problems.append(f"micro_batch_groups={micro_batch_groups} must be >= 1")
+        if logit_chunk_tokens < 1:
+            problems.append(f"logit_chunk_tokens={logit_chunk_tokens} must be >= 1")
+        if dtype not in DTYPES:
+            problems.append(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        return problems
 
     @override
     def configure_model(self) -> None:
@@ -157,23 +148,6 @@ class GMCModule(pl.LightningModule):
             temperature=self.hparams.temperature, chunk_tokens=self.hparams.logit_chunk_tokens,
         )  # fmt: skip
 
-    def policy_terms(
-        self, batch: RolloutBatch, logprobs: Tensor, grad_norms_sq: Tensor | None = None, delays: Tensor | None = None
-    ) -> PolicyTerms:
-        """The correction rule's inputs: ``logprobs`` of the current policy with the batch's behaviour data.
-
-        ``delays``: the batch's ``(n,)`` delays at this step, when the caller has them already.
-        """
-        return PolicyTerms(
-            token_logprobs=logprobs,
-            behavior_logprobs=batch.behavior_logprobs.to(logprobs.dtype),
-            mask=batch.response_mask,
-            rewards=batch.rewards.to(logprobs.dtype),
-            delays=batch.delays(self.global_step) if delays is None else delays,
-            group_size=batch.group_size,
-            grad_norms_sq=grad_norms_sq,
-        )
-
     def trajectory_grad_norms_sq(self, part: RolloutBatch) -> Tensor:
         """Exact ``||grad_theta log pi_theta(y_i | x_i)||^2`` of every row of ``part``: one backward per trajectory.
 
@@ -211,7 +185,16 @@ class GMCModule(pl.LightningModule):
         # Before the forward, so that the per-row passes never coexist with this micro-batch's graph.
         norms = self.trajectory_grad_norms_sq(part) if self.correction.needs_grad_norms else None  # (n,) or None
         logprobs, entropy = self(part.input_ids, part.attention_mask, part.prompt_width)  # (n, L), (n, L)
-        out = self.correction(self.policy_terms(part, logprobs, norms, delays))
+        terms = PolicyTerms(
+            token_logprobs=logprobs,
+            behavior_logprobs=part.behavior_logprobs.to(logprobs.dtype),
+            mask=part.response_mask,
+            rewards=part.rewards.to(logprobs.dtype),
+            delays=part.delays(self.global_step) if delays is None else delays,
+            group_size=part.group_size,
+            grad_norms_sq=norms,
+        )
+        out = self.correction(terms)
         loss = O.aggregate_loss(
             out.token_loss,
             part.response_mask,
@@ -232,6 +215,9 @@ class GMCModule(pl.LightningModule):
         # DDP and FSDP2 average gradients over ranks; each rank's loss is its share of the whole update's loss
         # (global normalisers), so scaling by the world size makes the averaged gradient the whole batch's.
         _, world = rank_and_world()
+        # DDP: gradients are all-reduced once, with the last micro-batch; Lightning's block_backward_sync (DDP's
+        # no_sync) holds back the others. FSDP2 reduce-scatters each one, which keeps its gradients sharded.
+        hold_sync = getattr(self.trainer.strategy, "block_backward_sync", None)
         losses, outputs, entropies, logprobs = [], [], [], []
         starts = range(0, batch.num_groups, per_pass)
         for start in starts:
@@ -239,10 +225,7 @@ class GMCModule(pl.LightningModule):
             part = batch.groups_slice(start, stop)  # views
             part_delays = delays[start * batch.group_size : stop * batch.group_size]  # (n_part,), a view
             loss, out, entropy, current = self.micro_batch_loss(batch, part, part_delays)
-            # DDP: gradients are all-reduced once, with the last micro-batch (FSDP2 reduce-scatters each one, which
-            # keeps its gradients sharded between micro-batches).
-            last = start == starts[-1]
-            with contextlib.nullcontext() if last else self._without_gradient_sync():
+            with hold_sync() if hold_sync is not None and start != starts[-1] else contextlib.nullcontext():
                 self.manual_backward(loss * world if world > 1 else loss)
             losses.append(loss.detach())
             outputs.append(out)
@@ -251,7 +234,7 @@ class GMCModule(pl.LightningModule):
         stats = self.collect_stats(batch, delays, outputs, torch.cat(entropies), torch.cat(logprobs))
         step, lr = self.global_step, optimizer.param_groups[0]["lr"]
         loss = sum_across(torch.stack(losses).sum())
-        # Checked as Python floats: a 0-dim torch.isfinite costs ~10 us, float() ~0.3 (the same sync on a GPU).
+        # Checked as Python floats, cheaper than a 0-dim torch.isfinite (docs/performance.md); the same sync on a GPU.
         if not math.isfinite(float(loss)):
             raise FloatingPointError(f"update {step}: the loss is {float(loss)}; the weights were not changed")
         logged = self.correction.before_step(list(self.actor.parameters()), optimizer, stats)
@@ -263,17 +246,9 @@ class GMCModule(pl.LightningModule):
             )
         optimizer.step()
         self.correction.after_step(optimizer)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:  # none given: a constant learning rate
-            scheduler.step()
+        self.lr_schedulers().step()  # configure_optimizers always gives one (CosineWithWarmup by default)
         self.log_step(step, lr, batch, loss, grad_norm, stats, logged)
         return {"loss": loss, **stats}
-
-    def _without_gradient_sync(self) -> contextlib.AbstractContextManager:
-        """Lightning's DDP gradient-sync block (``DistributedDataParallel.no_sync``); a no-op elsewhere."""
-        trainer = self._trainer
-        block = getattr(trainer.strategy, "block_backward_sync", None) if trainer is not None else None
-        return block() if block is not None else contextlib.nullcontext()
 
     def _first_non_finite_grad(self) -> str:
         """``" (first non-finite in <name>)"`` for the first parameter whose local gradient is not finite, or ``""``."""

@@ -1,10 +1,11 @@
 """The rules' math as pure tensor functions, grouped by what they compute, whatever paper each comes from.
 
 Ratios, advantages, per-sample and per-token coefficients, token losses, aggregation, step rules, diagnostics
-(DESIGN.md §3 and §8). No modules, config objects, logging or device moves. Rows are group-major (row ``b * G + i``
-is response ``i`` of group ``b``); token tensors are ``(N, L)``, aligned with a boolean ``mask`` of real response
-tokens. ``log rho_i = sum_t (log pi_theta(y_it) - l_it)`` is the trajectory log-ratio against the behaviour
-log-probs ``l`` the engine recorded; ``T`` is the configured maximum completion length.
+(DESIGN.md §3 and §8). No modules, config objects, logging or device moves; shapes are checked here, thresholds by
+each rule's ``option_problems``. Rows are group-major (row ``b * G + i`` is response ``i`` of group ``b``); token
+tensors are ``(N, L)``, aligned with a boolean ``mask`` of real response tokens. ``log rho_i = sum_t (log
+pi_theta(y_it) - l_it)`` is the trajectory log-ratio against the behaviour log-probs ``l`` the engine recorded;
+``T`` is the configured maximum completion length.
 
 Where this code departs from the papers or fills their gaps:
 - Ratios are exponentiated only when bounded (GMC's is at most ``G (1 + eps)``); unclipped IS is the exception,
@@ -193,8 +194,6 @@ def a3po_behavior_weight(log_weight: Tensor, mask: Tensor, cap: float | None) ->
     """
     if log_weight.shape != mask.shape or log_weight.dim() != 2:
         raise ValueError(f"log_weight must be (n, L) like mask, got {tuple(log_weight.shape)} and {tuple(mask.shape)}")
-    if cap is not None and not cap > 0:
-        raise ValueError(f"the behaviour-weight cap must be > 0, got {cap}")
     kept = mask if cap is None else mask & (log_weight <= math.log(cap))  # (n, L)
     weight = torch.exp(log_weight.clamp(max=LOG_RATIO_LIMIT)).masked_fill(~kept, 0.0)  # (n, L)
     return weight, kept
@@ -239,8 +238,6 @@ def truncated_token_ratio_loss(
     The shared form of CISPO and TIS. Returns the ``(n, L)`` loss (zeros on padding) and the ``(n, L)``
     mask of real tokens whose ratio was truncated.
     """
-    if not cap > 0:
-        raise ValueError(f"the ratio cap must be > 0, got {cap}")
     log_r = (token_logprobs.detach() - behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L)
     weight = torch.exp(log_r.clamp(max=math.log(cap)))  # (n, L) min(r, cap)
     coef = (weight * advantages.detach()[:, None]).detach()  # (n, L)
@@ -277,7 +274,7 @@ def aggregate_loss(
     raise ValueError(f"unknown aggregation {mode!r}; expected one of seq_sum_over_T, token_mean, seq_mean_token_mean")
 
 
-# --- Step rules (VCPO's step size, GAC's projection) --------------------------------------------------------------
+# --- Step rules (GMC's Corollary-1 cap, VCPO's step size, GAC's projection) -------------------------------------------
 
 
 def ess_step_factor(log_w: Tensor) -> Tensor:
@@ -291,6 +288,16 @@ def ess_step_factor(log_w: Tensor) -> Tensor:
         raise ValueError("ess_step_factor needs at least one log-ratio")
     ess = torch.exp(2.0 * torch.logsumexp(lw, 0) - torch.logsumexp(2.0 * lw, 0))
     return torch.sqrt((ess / lw.numel()).clamp(max=1.0))
+
+
+def corollary1_eps(tau4: float, total_updates: int, c: float, eps_min: float, eps_max: float) -> float:
+    """Corollary 1's cap for GMC, ``clip(c * tau_bar_4^(1/7) * N^(-3/14), eps_min, eps_max)``, ``N = total_updates``.
+
+    ``tau4`` is the running averaged fourth delay moment (eq. 11, this update included). GMC's alone: the rate comes
+    from a bound whose bias term is the mass the group cap removes, which does not bound what TIC's cap removes. The
+    arguments are GMC's checked options (``cap_scale``, ``cap_min``, ``cap_max``).
+    """
+    return min(max(c * tau4 ** (1.0 / 7.0) * total_updates ** (-3.0 / 14.0), eps_min), eps_max)
 
 
 def gac_shift(

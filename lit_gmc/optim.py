@@ -62,7 +62,6 @@ class CosineWithWarmup(LambdaLR):
         def multiplier(step: int) -> float:  # a plain function: LambdaLR leaves it out of its state_dict
             return cosine(step + 1 if step < warmup else step)
 
-        self.warmup_steps = warmup
         super().__init__(optimizer, multiplier, last_epoch)
 
 
@@ -164,11 +163,7 @@ def monitored_schedule_problem(cls: type, class_path: str) -> list[str]:
 
 
 def build_scheduler(spec: SchedulerSpec, optimizer: Optimizer) -> LRScheduler:
-    """The schedule of ``spec`` on ``optimizer``.
-
-    The module steps it once per update, without a metric, so a schedule that needs one (``ReduceLROnPlateau``)
-    is refused.
-    """
+    """The schedule of ``spec`` on ``optimizer``; one that needs a monitored metric is refused, as the CLI does."""
     scheduler = from_spec(spec, optimizer, "--lr_scheduler", object)
     problems = monitored_schedule_problem(type(scheduler), type(scheduler).__name__)
     if problems:

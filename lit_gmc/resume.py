@@ -1,10 +1,10 @@
 """Resuming checks its checkpoint: a file that is no lit_gmc checkpoint, or one saved under other settings, is refused.
 
-Every checkpoint records its run's options (:class:`RunSettings`): ``--model.*``, ``--data.*``, ``--optimizer``,
-``--lr_scheduler`` (each component's class and options) and ``--trainer.precision``. A resume refuses every
-difference, by flag with both values, except in what sets how long, fast, where or how visibly a run goes: options
-outside those groups, options linked to another (:data:`LINKED`), and those the owning class lists in its
-``may_change_on_resume``. Checkpoints from before the settings were recorded are compared on their saved
+Every checkpoint records its run's options (:class:`~lit_gmc.run_folder.RunFolder`): ``--model.*``, ``--data.*``,
+``--optimizer``, ``--lr_scheduler`` (each component's class and options) and ``--trainer.precision``. A resume
+refuses every difference, by flag with both values, except in what sets how long, fast, where or how visibly a run
+goes: options outside those groups, options linked to another (:data:`LINKED`), and those the owning class lists in
+its ``may_change_on_resume``. Checkpoints from before the settings were recorded are compared on their saved
 hyperparameters.
 """
 
@@ -18,16 +18,14 @@ from pathlib import Path
 from pkgutil import resolve_name
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
 from lit_gmc.errors import UserError, UserFileNotFoundError
+from lit_gmc.run_folder import SETTINGS_KEY
 from lit_gmc.strategies import SHARDED_METADATA, STAGING, beside, restore_set_aside
 
-SETTINGS_KEY = "lit_gmc_settings"
 COMPONENTS = ("task", "engine", "schedule")
 # Options built from class_path + init_args: compared class first, then option by option.
 COMPONENT_FLAGS = ("--model.correction", "--optimizer", "--lr_scheduler", *(f"--data.{key}" for key in COMPONENTS))
@@ -75,21 +73,6 @@ def component_settings(flag: str, value: Any) -> dict[str, Any]:
         return {flag: value}
     options = value.get("init_args") or {}
     return {flag: value["class_path"], **{f"{flag}.{arg}": item for arg, item in options.items()}}
-
-
-class RunSettings(pl.Callback):
-    """Writes the run's :func:`run_settings` into every checkpoint (added by the CLI), for :func:`changed_settings`.
-
-    Args:
-        settings: ``flag -> value`` of this run.
-    """
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        checkpoint[SETTINGS_KEY] = self.settings
 
 
 def saved_settings(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,17 +165,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def check_resume(
-    ckpt_path: str | None, dirpath: str | None, settings: Mapping[str, Any] | None, owners: Mapping[str, type]
-) -> None:
+def check_resume(ckpt_path: str, dirpath: str | None, settings: Mapping[str, Any], owners: Mapping[str, type]) -> None:
     """Raise a :class:`UserError` when ``--ckpt_path`` is no lit_gmc checkpoint, or was saved with other settings.
 
-    ``settings`` (this run's :func:`run_settings`; ``None`` skips the comparison) must agree with the
-    checkpoint's in every option both record, except those that may change (:func:`may_change`; ``owners``: the
-    classes of ``--model`` and ``--data``). Warns when a save over the checkpoint was killed before it was put in
-    place, so that the run goes back further than its last save.
+    ``settings`` (this run's :func:`run_settings`) must agree with the checkpoint's in every option both record,
+    except those that may change (:func:`may_change`; ``owners``: the classes of ``--model`` and ``--data``). Warns
+    when a save over the checkpoint was killed before it was put in place, so that the run goes back further than
+    its last save.
     """
-    path = checkpoint_file(ckpt_path, dirpath) if ckpt_path else None
+    path = checkpoint_file(ckpt_path, dirpath)
     if path is None:
         return
     checkpoint = read_checkpoint(path)
@@ -201,7 +182,7 @@ def check_resume(
             f"--ckpt_path {path}: resuming from its step {checkpoint.get('global_step')}; a later save of it was "
             f"killed before it was put in place ({beside(path, STAGING).name}, removed at the next save)"
         )
-    changes = changed_settings(saved_settings(checkpoint), settings, owners) if settings is not None else []
+    changes = changed_settings(saved_settings(checkpoint), settings, owners)
     if changes:
         raise UserError(
             f"--ckpt_path {path} was saved with other settings, and resuming would change the run:\n  "

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lit_gmc.errors import UserError
 
 VERSION_KEY = "lit_gmc_logger_version"
+SETTINGS_KEY = "lit_gmc_settings"
 LOCK_SUFFIX = ".lit_gmc.lock"
 
 
@@ -49,17 +50,20 @@ def lock_folder(folder: str | Path) -> TextIO:
 
 
 class RunFolder(pl.Callback):
-    """Holds the checkpoint folder's lock while fitting (global rank 0), and records the logger version.
+    """Holds the checkpoint folder's lock while fitting (global rank 0); records what a resume reads back.
 
     ``fit`` takes the lock (:meth:`hold`) before the logger writes its version folder, so that a refused run writes
-    nothing; a run that fails before its first update removes the version folder it created.
+    nothing; a run that fails before its first update removes the version folder it created. Every checkpoint gets
+    the logger version and the run's settings (compared by :func:`lit_gmc.resume.check_resume`).
 
     Args:
         checkpoint_dir: The run's checkpoint folder (``None``: no lock).
+        settings: ``flag -> value`` of this run (:func:`lit_gmc.resume.run_settings`).
     """
 
-    def __init__(self, checkpoint_dir: str | None) -> None:
+    def __init__(self, checkpoint_dir: str | None, settings: dict) -> None:
         self.checkpoint_dir = checkpoint_dir
+        self.settings = settings
         self.lock: TextIO | None = None
         self.created_log_dir: Path | None = None
 
@@ -90,6 +94,7 @@ class RunFolder(pl.Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         checkpoint[VERSION_KEY] = trainer.logger.version if trainer.logger is not None else None
+        checkpoint[SETTINGS_KEY] = self.settings
 
 
 def refuse_earlier_checkpoints(folder: str | None) -> None:

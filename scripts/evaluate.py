@@ -244,8 +244,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     for bench in benchmarks:
         items = bench.items[: args.limit]
         prompts = make_prompts([(i, it.problem, it.answer) for i, it in enumerate(items)], tokenizer, max_prompt)
-        if args.chat_template:
-            prompts = prompts_in_chat_template(prompts, tokenizer, "--chat-template")
         n = args.samples or bench.samples
         suites.append(Suite(bench.name, bench.title, prompts, n, tuple(k for k in args.ks if k <= n),
                             skipped=len(bench.skipped)))  # fmt: skip
@@ -261,8 +259,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     try:
         suites = [replace(suite, scorer=math_scorer()) for suite in suites]
-        suites += [file_suite(spec, tokenizer, math_scorer, args.ks, args.samples, args.limit, max_prompt,
-                              args.chat_template, "--chat-template") for spec in args.files]  # fmt: skip
+        suites += [file_suite(spec, tokenizer, math_scorer, args.ks, args.samples, args.limit, max_prompt)
+                   for spec in args.files]  # fmt: skip
+        if args.chat_template:  # every suite, after the --max-prompt-tokens cut
+            for suite in suites:
+                suite.prompts = prompts_in_chat_template(suite.prompts, tokenizer, "--chat-template")
         results = evaluate_suites(engine, tokenizer, None, suites, args.max_new_tokens, args.seed, samples)
     finally:
         for scorer in scorers:

@@ -29,7 +29,7 @@ from lit_gmc.callbacks.diagnostics import (
     merged,
     pearson,
     step_scalars,
-    tied_fraction,
+    step_tensors,
 )
 from lit_gmc.tblog import read_scalars
 
@@ -217,7 +217,14 @@ def test_pearson_matches_numpy_and_is_undefined_where_it_should_be():
     )  # integer tensors (delays, lengths)
 
 
-def test_tied_fraction_against_a_loop_over_groups():
+def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``reward/zero_variance_fraction`` of a batch with these rewards (and a group key, which sets ``B``)."""
+    groups = max(1, rewards.numel() // group_size)
+    out, _ = step_tensors({"rewards": rewards, "ess": torch.ones(groups)})
+    return out["reward/zero_variance_fraction"]
+
+
+def test_zero_variance_fraction_against_a_loop_over_groups():
     """Diagnostics' share of tied groups: a float32 share of groups whose rewards all equal their first exactly."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(400):
@@ -229,16 +236,16 @@ def test_tied_fraction_against_a_loop_over_groups():
         tied = sum(all(r == rows[b * group_size] for r in rows[b * group_size : (b + 1) * group_size])
                    for b in range(groups))  # fmt: skip
         for dtype in (torch.float32, torch.float64):
-            got = tied_fraction(rewards.to(dtype), group_size)
+            got = zero_variance_fraction(rewards.to(dtype), group_size)
             assert got.dtype == torch.float32 and float(got) == pytest.approx(tied / groups, rel=1e-7)
-    assert math.isnan(float(tied_fraction(torch.empty(0), 4)))
-    assert float(tied_fraction(torch.tensor([math.nan] * 4 + [0.5] * 4), 4)) == 0.5
+    assert math.isnan(float(zero_variance_fraction(torch.empty(0), 4)))
+    assert float(zero_variance_fraction(torch.tensor([math.nan] * 4 + [0.5] * 4), 4)) == 0.5
 
 
-def test_tied_fraction_by_hand():
+def test_zero_variance_fraction_by_hand():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.5])
-    assert float(tied_fraction(rewards, 2)) == 0.75
-    assert float(tied_fraction(rewards, 4)) == 0.0
+    assert float(zero_variance_fraction(rewards, 2)) == 0.75
+    assert float(zero_variance_fraction(rewards, 4)) == 0.0
 
 
 @pytest.mark.parametrize(

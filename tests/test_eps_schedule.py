@@ -13,8 +13,8 @@ from run_helpers import component, fit, write_config
 from test_cli import parse
 
 import lit_gmc.rules
-from lit_gmc.eps_schedules import corollary1_eps, corollary1_problems
 from lit_gmc.errors import UserError
+from lit_gmc.objectives import corollary1_eps
 from lit_gmc.rules import GMC
 from lit_gmc.tblog import read_scalars
 
@@ -45,21 +45,19 @@ def test_scaling_laws_and_clip():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("options", "message"),
     [
-        ({"tau4": -1.0}, "tau4 must be >= 0"),
-        ({"total_updates": 0}, "total_updates must be >= 1"),
-        ({"c": 0.0}, "cap_scale=0.0 must be finite and > 0"),
-        ({"c": float("inf")}, "cap_scale=inf must be finite and > 0"),
-        ({"eps_min": 0.0}, "cap_min=0.0 must be > 0"),
-        ({"eps_max": 0.01}, "cap_max=0.01 must be finite and >= cap_min=0.05"),
-        ({"eps_max": float("inf")}, "cap_max=inf must be finite"),
+        ({"cap_scale": 0.0}, "cap_scale=0.0 must be finite and > 0"),
+        ({"cap_scale": float("inf")}, "cap_scale=inf must be finite and > 0"),
+        ({"cap_min": 0.0}, "cap_min=0.0 must be > 0"),
+        ({"cap_max": 0.01}, "cap_max=0.01 must be finite and >= cap_min=0.05"),
+        ({"cap_max": float("inf")}, "cap_max=inf must be finite"),
     ],
 )
-def test_bad_arguments_are_named(kwargs, message):
-    args = {"tau4": 1.0, "total_updates": 10, "c": 1.0, "eps_min": 0.05, "eps_max": 2.0, **kwargs}
+def test_bad_schedule_options_are_named(options, message):
+    """Checked once, with GMC's options: the formula itself takes checked values."""
     with pytest.raises(ValueError, match=message):
-        corollary1_eps(**args)
+        GMC(cap_schedule="corollary1", **options)
 
 
 @pytest.mark.parametrize("cap", [float("inf"), float("nan"), 0.0, -0.1])
@@ -72,7 +70,7 @@ def test_the_cap_must_be_finite_and_positive(cap):
 
 def test_validation_collects_every_problem():
     problems = GMC.option_problems(0.28, "adaptive", -1.0, -1.0, -2.0, None)
-    assert len(problems) == 4 and len(corollary1_problems(-1.0, -1.0, -2.0)) == 3
+    assert len(problems) == 4 and [p.split("=")[0] for p in problems[1:]] == ["cap_scale", "cap_min", "cap_max"]
     assert "cap_schedule='adaptive' is not one of constant, corollary1" in problems[0]
 
 

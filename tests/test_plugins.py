@@ -72,12 +72,11 @@ def test_a_task_and_a_reward_from_a_user_module(tmp_path, monkeypatch, tiny_acto
 USER_RULE = '''
 import torch
 
-from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, CorrectionOutput, PolicyTerms, trajectory_output
+from lit_gmc.corrections import Correction, PolicyTerms
 
 
 class HalfIS(Correction):
-    """A user's rule in one class: importance ratios times ``scale``, leave-one-out advantages."""
+    """A user's rule in one class: importance ratios times ``scale``, the base class's leave-one-out advantages."""
 
     def __init__(self, scale: float = 0.5, aggregation: str | None = None) -> None:
         super().__init__(aggregation or "seq_sum_over_T")
@@ -88,11 +87,9 @@ class HalfIS(Correction):
     def threshold(self) -> float:
         return self.scale
 
-    def __call__(self, terms: PolicyTerms) -> CorrectionOutput:
+    def coefficients(self, terms: PolicyTerms, log_rho: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        log_rho = O.log_ratio(terms.token_logprobs, terms.behavior_logprobs, terms.mask)
-        coef = self.scale * torch.exp(log_rho.detach())
-        return trajectory_output(terms, coef, O.leave_one_out_advantages(terms.rewards, terms.group_size), log_rho)
+        return self.scale * torch.exp(log_rho)
 '''
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from torch import Tensor
@@ -10,7 +11,6 @@ from typing_extensions import override
 from lit_gmc import objectives as O
 from lit_gmc.corrections import Correction, PolicyTerms, aggregation_problem, positive_problem
 from lit_gmc.delays import RunningDelayMoments
-from lit_gmc.eps_schedules import corollary1_eps, corollary1_problems
 
 
 class GMC(Correction):
@@ -21,8 +21,9 @@ class GMC(Correction):
     Args:
         cap: ``eps`` of the ``1 + eps`` cap on each group's mean ratio (the paper's 0.28); unused with
             ``cap_schedule: corollary1``.
-        cap_schedule: ``constant`` (``cap`` at every update) or ``corollary1`` (:mod:`lit_gmc.eps_schedules`):
-            ``eps_n = clip(cap_scale * tau_bar_4^(1/7) * N^(-3/14), cap_min, cap_max)``, ``N = --trainer.max_steps``.
+        cap_schedule: ``constant`` (``cap`` at every update, as in the paper's experiments) or ``corollary1``
+            (:func:`~lit_gmc.objectives.corollary1_eps`): ``eps_n = clip(cap_scale * tau_bar_4^(1/7) * N^(-3/14),
+            cap_min, cap_max)``, ``N = --trainer.max_steps``.
         cap_scale: ``c`` of ``corollary1``; 0.375 gives the paper's 0.28 at the tiny default (delay 8, 1,000 updates).
         cap_min: Lower clip of ``corollary1`` (on-policy data would otherwise get ``eps = 0``).
         cap_max: Upper clip of ``corollary1``.
@@ -53,7 +54,12 @@ class GMC(Correction):
         problems = [f"{problem} (an infinite cap turns GMC into plain IS)" for problem in positive_problem("cap", cap)]
         if cap_schedule not in ("constant", "corollary1"):
             problems.append(f"cap_schedule={cap_schedule!r} is not one of constant, corollary1")
-        return problems + corollary1_problems(cap_scale, cap_min, cap_max) + aggregation_problem(aggregation)
+        problems += positive_problem("cap_scale", cap_scale)
+        if not cap_min > 0:
+            problems.append(f"cap_min={cap_min} must be > 0")
+        if not (cap_max >= cap_min and math.isfinite(cap_max)):
+            problems.append(f"cap_max={cap_max} must be finite and >= cap_min={cap_min}")
+        return problems + aggregation_problem(aggregation)
 
     @property
     def threshold(self) -> float:
@@ -69,7 +75,7 @@ class GMC(Correction):
             raise ValueError(f"--model.correction.cap_schedule=corollary1 needs the planned number of updates N: "
                              f"set --trainer.max_steps (got {total_updates})")  # fmt: skip
         self.moments.update(delays)
-        self._current = corollary1_eps(self.moments.tau4, total_updates, self.cap_scale, self.cap_min, self.cap_max)
+        self._current = O.corollary1_eps(self.moments.tau4, total_updates, self.cap_scale, self.cap_min, self.cap_max)
 
     @override
     def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:

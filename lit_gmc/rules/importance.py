@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from torch import Tensor
-from typing_extensions import override
-
 from lit_gmc import objectives as O
-from lit_gmc.corrections import Correction, PolicyTerms
+from lit_gmc.corrections import Correction
 
 
 class IS(Correction):
     """IS: coefficient ``rho_i`` (eq. 2), unbounded, with leave-one-out advantages; no threshold, unstable.
+
+    The base class's defaults are exactly this estimator; the class names it and its one option.
 
     Args:
         aggregation: Loss aggregation; ``null``: the paper's ``seq_sum_over_T`` (``1/(T B G)``).
@@ -18,7 +17,3 @@ class IS(Correction):
 
     def __init__(self, aggregation: O.Aggregation | None = None) -> None:
         super().__init__(aggregation)
-
-    @override
-    def coefficients(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        return O.is_coefficients(log_rho)
