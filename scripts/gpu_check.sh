@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check for the machine this project can be lent: one H200, no network, 64 MiB carried over, a Python with
 # torch 2.11, Lightning 2.6.6, transformers 5.17, tensorboard (torchmetrics with Lightning), but no vLLM,
-# bitsandbytes, jsonargparse, datasets, math-verify or matplotlib. Two steps (docs/gpu_check.md says how to run them
-# through the device tool):
+# bitsandbytes, jsonargparse, datasets, math-verify, pebble or matplotlib. Two steps (docs/gpu_check.md says how
+# to run them through the device tool):
 #
 #   bash scripts/gpu_check.sh prepare   on a machine with the package index: downloads the pure-Python wheels the
 #                                       GPU machine lacks (WHEELS below, at the versions installed here) into
@@ -24,7 +24,7 @@
 # same steps, the tests collected and imported (their cuda ones skip without a GPU), the CLI's config parsed
 # (`fit --print_config`) instead of a fit, and the learner script's imports only (`--help`). A part that fails or runs out of time leaves what it wrote and the next part runs.
 set -uo pipefail
-WHEELS="jsonargparse docstring-parser typeshed-client math-verify latex2sympy2_extended antlr4-python3-runtime
+WHEELS="jsonargparse docstring-parser typeshed-client math-verify latex2sympy2_extended antlr4-python3-runtime pebble
 rich markdown-it-py mdurl pygments pytest pluggy iniconfig exceptiongroup tomli setuptools"
 wheels="${WHEELS_DIR:-.whl}"
 limit_bytes=$((64 << 20))
