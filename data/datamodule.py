@@ -286,7 +286,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if hp.recompute_behavior_logprobs:
             model, _ = load_actor(resolve_actor_path(hp.actor))
             pad_id = self.engine.tokenizer.pad_token_id
-            self.recompute = BehaviorRecompute.like_learner(self.engine, model, pad_id, self.trainer)
+            self.recompute = BehaviorRecompute(self.engine, model, pad_id, self.trainer)
             self.engine = self.recompute
         if self.stream is None:  # once: a second fit with this DataModule continues the prompt order
             if isinstance(self.task, TokenizerSetup):

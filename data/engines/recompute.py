@@ -28,50 +28,27 @@ class BehaviorRecompute:
     exactly 1. :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|`` since its last call. The copy is a
     second model on the learner's device (``scripts/memory_estimate.py --recompute-behavior-logprobs``).
 
-    ``engine`` samples; ``model`` is the copy (a transformers causal LM), moved to ``device`` and ``dtype`` (``None``:
-    as it is). The other arguments are the learner's (:meth:`like_learner`): ``pad_id``, ``forward_context``,
-    ``chunk_tokens`` (``logit_chunk_tokens``) and ``micro_batch_groups`` (``None``: a call's groups in one pass).
+    ``engine`` samples; ``model`` is the copy (a transformers causal LM), scored with padding ``pad_id`` as
+    ``trainer``'s learner scores: its precision's forward context, its device, and its module's ``dtype``,
+    ``logit_chunk_tokens`` and ``micro_batch_groups`` (``None``: a call's groups in one pass). No trainer: the
+    model as it is, in one pass.
     """
 
-    def __init__(
-        self,
-        engine: RolloutEngine,
-        model: torch.nn.Module,
-        pad_id: int,
-        *,
-        forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-        chunk_tokens: int = 512,
-        micro_batch_groups: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, pad_id: int, trainer: Any = None) -> None:
+        module = trainer.lightning_module if trainer is not None else None
+        hparams = getattr(module, "hparams", {}) if module is not None else {}
+        dtype = getattr(torch, hparams["dtype"]) if isinstance(hparams.get("dtype"), str) else None
         # Parameters keep requires_grad=True, as the learner's (scoring runs under no_grad): ATen's matmul folds a
         # 3-D input differently when the weight requires grad, and the last bits would differ from the learner's.
         self.engine, self.model, self.pad_id = engine, model.eval(), pad_id
-        self.model.to(device=device, dtype=dtype)
-        self.forward_context, self.chunk_tokens = forward_context, chunk_tokens
-        self.micro_batch_groups = micro_batch_groups
+        self.model.to(device=trainer.strategy.root_device if trainer is not None else None, dtype=dtype)
+        self.forward_context: Callable[[], AbstractContextManager] = (
+            trainer.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
+        )
+        self.chunk_tokens = hparams.get("logit_chunk_tokens", 512)
+        self.micro_batch_groups = hparams.get("micro_batch_groups")
         self._lock = threading.Lock()  # the copy's weights and version change together, never mid-rescoring
         self._gap_sum, self._gap_count, self._gap_max = 0.0, 0, 0.0
-
-    @classmethod
-    def like_learner(
-        cls, engine: RolloutEngine, model: torch.nn.Module, pad_id: int, trainer: Any
-    ) -> BehaviorRecompute:
-        """Scoring as ``trainer``'s learner does (its module's hyperparameters where set; no trainer: the defaults)."""
-        if trainer is None:
-            return cls(engine, model, pad_id)
-        hparams = getattr(trainer.lightning_module, "hparams", {}) if trainer.lightning_module is not None else {}
-        return cls(
-            engine,
-            model,
-            pad_id,
-            forward_context=trainer.precision_plugin.train_step_context,
-            chunk_tokens=hparams.get("logit_chunk_tokens", 512),
-            micro_batch_groups=hparams.get("micro_batch_groups"),
-            device=trainer.strategy.root_device,
-            dtype=getattr(torch, hparams["dtype"]) if isinstance(hparams.get("dtype"), str) else None,
-        )
 
     @property
     def tokenizer(self):
