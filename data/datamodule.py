@@ -40,6 +40,7 @@ from lit_gmc.distributed import (
     STOP,
     Interrupted,
     open_rank0_channel,
+    publish_error,
     rank_and_world,
     scatter_from_first,
     sigterm_requested,
@@ -323,7 +324,12 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Lightning skips ``teardown`` after an exception or Ctrl-C; stop every thread and the engine here."""
+        """Lightning skips ``teardown`` after an exception or Ctrl-C; stop every thread and the engine here.
+
+        A user's error is first published to the other ranks, whose waits raise it (one line on every rank).
+        """
+        if isinstance(exception, UserError):
+            publish_error(str(exception))
         self.teardown("fit")
 
     @override
@@ -361,19 +367,16 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.world == 1:
             return None if self.schedule.exhausted else self.next_batch_or_preempted()
         if self.rank != 0:
+            # Rank 0's user error (every server lost, a reward that raises) comes through the store instead, raised
+            # here by the wait (lit_gmc.distributed.publish_error, from on_exception): every rank ends in its line.
             share = scatter_from_first(None)
             if isinstance(share, str) and share == STOP:  # a SIGTERM (any rank's) while rank 0 generated
                 raise SIGTERMException
-            if isinstance(share, UserError):  # rank 0's, e.g. every server lost: every rank ends in its line
-                raise share
             return share
         try:
             batch = None if self.schedule.exhausted else self.next_batch_or_preempted()
         except SIGTERMException:
             scatter_from_first([STOP] * self.world)
-            raise
-        except UserError as err:
-            scatter_from_first([UserError(str(err))] * self.world)
             raise
         return scatter_from_first([None] * self.world if batch is None else batch.shards(self.world))
 

@@ -15,10 +15,14 @@ rank 0 may still be busy when the others reach their next collective (``lit_gmc.
 DataModule's ``setup`` and ``state_dict``, ``WeightSync``).
 
 SIGTERM while a rank waits (:func:`note_sigterm`, :func:`sigterm_requested`): a rank blocked inside a gloo
-collective runs no Python signal handler until the collective returns, so the other ranks' wait for rank 0 is an
-asynchronous barrier polled from Python (:func:`scatter_from_first`); a rank that notes SIGTERM there, or anywhere,
-publishes it in the default group's store, where rank 0's own waits (a reward, a request to a server) see it. Rank 0
-then answers every rank with :data:`STOP` instead of their shares, so all ranks stop at the same update boundary.
+collective runs no Python signal handler until the collective returns, so every wait on the channel
+(:func:`scatter_from_first`, :func:`wait_for_rank0`, :func:`any_rank`) is an asynchronous collective polled from
+Python every :data:`POLL_S`; a rank that notes SIGTERM there, or anywhere, publishes it in the default group's store,
+where rank 0's own waits (a reward, a request to a server, a weight sync) see it. Rank 0 then answers every rank with
+:data:`STOP` instead of their shares, or the ranks vote after the update (``lit_gmc.checkpoint.RunCheckpoint``), so
+all ranks stop at the same update boundary. A rank that fails with a :class:`~lit_gmc.errors.UserError` publishes
+its message there too (:func:`publish_error`), and each polled wait of the other ranks raises the same error, so
+every rank ends in the same line rather than in gloo's "Connection closed by peer".
 
 Written on ``torch.distributed`` directly: Lightning's strategy exposes ``broadcast`` and ``all_gather`` but no
 scatter of Python objects and no gather of tensors whose first dimension differs between ranks.
@@ -26,6 +30,7 @@ scatter of Python objects and no gather of tensors whose first dimension differs
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -35,15 +40,20 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_gmc.errors import UserError
+
 T = TypeVar("T")
 
 DEFAULT_RANK0_WAIT = timedelta(hours=12)
 POLL_S = 0.1  # how often a wait for rank 0 looks at SIGTERM: a stop is acted on within this
 SIGTERM_KEY = "lit_gmc/sigterm"  # set in the default group's store by the first rank that sees a SIGTERM
+ERROR_KEY, ERROR_READ_KEY = "lit_gmc/error", "lit_gmc/error_read"  # the first failing rank's message; who read it
+ERROR_READ_S = 10.0  # how long a rank that published its error waits for the others to read it before it exits
 STOP = "lit_gmc: stop"
 """What rank 0 scatters instead of the shares when a SIGTERM stops the run while the other ranks wait for it."""
 _channel: tuple[Any, Any] | None = None  # (the default group it was made in, the gloo group)
 _sigterm = {"noted": False, "published": False}  # this process's, for the run of the current default group
+_error = {"read": False, "own": False}  # this process read another rank's published error, or published its own
 
 
 class Interrupted(Exception):
@@ -72,6 +82,7 @@ def open_rank0_channel(timeout: timedelta | None = None) -> Any:
         group = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_RANK0_WAIT)
         _channel = (dist.group.WORLD, group)
         _sigterm.update(noted=False, published=False)  # a new run
+        _error.update(read=False, own=False)
     return _channel[1]
 
 
@@ -96,6 +107,60 @@ def sigterm_requested() -> bool:
     return store.check([SIGTERM_KEY])
 
 
+def publish_error(message: str) -> None:
+    """Give ``message`` (a :class:`~lit_gmc.errors.UserError`'s, as this rank fails) to every other rank's polled wait.
+
+    The first rank to publish is the one whose message every rank prints; it then waits up to :data:`ERROR_READ_S`
+    for the others to read it, since a store hosted by this process goes with it. Nothing on one process.
+    """
+    if rank_and_world()[1] == 1 or _error["read"] or _error["own"]:  # the error this rank raises is another's
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if store.compare_set(ERROR_KEY, "", message).decode() != message:
+        return  # another rank's came first
+    _error["own"] = True
+    deadline = time.monotonic() + ERROR_READ_S
+    while store.add(ERROR_READ_KEY, 0) < rank_and_world()[1] - 1 and time.monotonic() < deadline:
+        time.sleep(POLL_S / 2)
+
+
+def raise_published_error() -> None:
+    """Raise, as a :class:`~lit_gmc.errors.UserError`, the error another rank published (:func:`publish_error`)."""
+    if _error["own"]:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([ERROR_KEY]):
+            return
+        message = store.get(ERROR_KEY).decode()
+        if not _error["read"]:
+            _error["read"] = True
+            store.add(ERROR_READ_KEY, 1)
+    except (RuntimeError, ValueError):  # no store to ask: the rank that hosted it is gone, and its message with it
+        return
+    raise UserError(message)
+
+
+def wait_polled(work: Any) -> None:
+    """Wait for an asynchronous collective of the channel, looking at SIGTERM and errors every :data:`POLL_S`.
+
+    Meanwhile this rank's SIGTERM is published (:func:`sigterm_requested`) and another rank's published error raised
+    (:func:`raise_published_error`): a rank blocked in gloo runs no signal handler, and polling an event sees both
+    at no delay once the collective completes. A collective that fails because a rank went away raises that rank's
+    error, if it published one, rather than gloo's.
+    """
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    while not done.wait(POLL_S):
+        sigterm_requested()
+        raise_published_error()
+    try:
+        work.wait()
+    except RuntimeError:
+        raise_published_error()
+        raise
+
+
 def scatter_from_first(shares: list[T] | None) -> T:
     """Rank 0 passes one picklable object per rank and gets its own back; every other rank passes ``None``.
 
@@ -109,14 +174,7 @@ def scatter_from_first(shares: list[T] | None) -> T:
     if rank == 0 and (shares is None or len(shares) != world):
         raise ValueError(f"scatter_from_first needs {world} shares on rank 0, got {shares!r:.80}")
     channel = open_rank0_channel()
-    if rank != 0:  # rank 0 may be busy for hours: wait where a SIGTERM can be seen and passed on
-        waiting = dist.barrier(group=channel, async_op=True)
-        while not waiting.is_completed():
-            sigterm_requested()  # publishes this rank's SIGTERM for rank 0, which answers with STOP
-            time.sleep(POLL_S)
-        waiting.wait()
-    else:
-        dist.barrier(group=channel)
+    wait_polled(dist.barrier(group=channel, async_op=True))  # rank 0 may be busy for hours
     received: list[Any] = [None]
     dist.scatter_object_list(received, shares if rank == 0 else None, src=0, group=channel)
     return received[0]
@@ -125,7 +183,7 @@ def scatter_from_first(shares: list[T] | None) -> T:
 def wait_for_rank0() -> None:
     """Return on every rank once every rank (rank 0 last, when it is the busy one) has called it; over the channel."""
     if rank_and_world()[1] > 1:
-        dist.barrier(group=open_rank0_channel())
+        wait_polled(dist.barrier(group=open_rank0_channel(), async_op=True))
 
 
 def any_rank(flag: bool) -> bool:
@@ -133,7 +191,7 @@ def any_rank(flag: bool) -> bool:
     if rank_and_world()[1] == 1:
         return flag
     vote = torch.tensor([int(flag)])  # on the CPU: the channel is gloo
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=open_rank0_channel())
+    wait_polled(dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=open_rank0_channel(), async_op=True))
     return bool(vote.item())
 
 
