@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -58,6 +61,43 @@ _error = {"read": False, "own": False}  # this process read another rank's publi
 
 class Interrupted(Exception):
     """A wait ended because the run received SIGTERM; the caller puts its state back and stops at the last update."""
+
+
+class SendAgain(Exception):
+    """A weight update lost a receiver mid-stream; the others wait for the same weights, streamed again by every rank.
+
+    A stream of gathered parameters cannot be replayed by the engine that consumes it: ``WeightSync`` restreams.
+    """
+
+
+def in_thread(call: Callable[[], T], name: str) -> Future[T]:
+    """``call()`` on a daemon thread of its own, as a future, so that a wait for it can be given up (:func:`wait_for`).
+
+    A ``ThreadPoolExecutor``'s workers are joined when the interpreter exits: one blocked in a request to a server
+    that stopped answering would hold a preempted run's exit for the request's whole timeout.
+    """
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as err:  # the waiter raises it
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def wait_for(futures: Iterable[Future], stop: Callable[[], bool], what: str) -> None:
+    """Wait until every future is done, looking at ``stop`` every :data:`POLL_S`; :class:`Interrupted` once it is true.
+
+    The futures' own errors are left to the caller (``future.result()``).
+    """
+    pending = set(futures)
+    while pending:
+        pending = wait_futures(pending, timeout=POLL_S).not_done
+        if pending and stop():
+            raise Interrupted(f"SIGTERM while waiting for {what}")
 
 
 def rank_and_world() -> tuple[int, int]:
