@@ -671,7 +671,8 @@ class NCCLStreamSender:
             self.group = open_endpoint({"master_address": address, "master_port": port, "world_size": world_size})
             joined.result()
         device = torch.device("cuda", torch.cuda.current_device())
-        self.sender = BucketSender(client, self._broadcast, bucket_bytes, dtype, device, vllm_packed=True)
+        self.sender = BucketSender(client, self._broadcast, bucket_bytes, dtype, device, vllm_packed=True,
+                                   stop=getattr(client, "stop", lambda: False))  # fmt: skip
 
     def _broadcast(self, tensor: Tensor) -> None:
         # On the current stream, as the buffers' copies: a buffer is refilled only after its broadcast has read it.
