@@ -18,13 +18,19 @@ are those of the distribution sampled from) and lit_gmc installed (``gloo`` is a
 
 A server that stops answering does not end the run: its requests go again, with the same seeds, to the servers
 that remain (the samples are the same), and the next weight sync re-forms the weight-transfer group without it. A
-listed server that answers ``/health`` again is taken back at a sync, which gives it the current weights before
-it serves. A server lost in the middle of a sync ends the run with one line naming it (the update cannot be
-streamed again: its tensors are gathered once); ``--ckpt_path last`` then resumes exactly. Launched servers run in
-process groups of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the
-run folder (``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO. A SIGTERM ends a wait for the
-servers' answers within ``lit_gmc.distributed.POLL_S`` (``stop``, which the DataModule sets), a server that
-never answers included.
+server lost in the middle of a sync has the group destroyed, which releases the others' workers, and the same
+weights streamed again by every learner rank (:class:`~lit_gmc.distributed.SendAgain`) to those that answer, in a
+new group; with none left the run ends in one line naming it. A listed server that answers ``/health`` again is
+taken back at a sync, which gives it the current weights before it serves. Launched servers run in process groups
+of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the run folder
+(``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO.
+
+Every wait for a server (a launch's requests, and each step of a sync: ``/health``, joining the group, the HTTP
+calls, the broadcasts) looks at ``stop`` (the DataModule's SIGTERM check) every ``lit_gmc.distributed.POLL_S``,
+so a SIGTERM ends it within that, whatever the server does; a sync it interrupts leaves the group to be destroyed
+once its broadcasts end (on a daemon thread: a stopped server may never read them) and the next sync forms
+another. A server left inside an update that way (its API stopped after its worker had every byte) is asked to
+finish it when the next update's start is refused.
 """
 
 from __future__ import annotations
