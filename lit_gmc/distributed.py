@@ -50,8 +50,8 @@ T = TypeVar("T")
 DEFAULT_RANK0_WAIT = timedelta(hours=12)
 POLL_S = 0.1  # how often a wait for rank 0 looks at SIGTERM: a stop is acted on within this
 SIGTERM_KEY = "lit_gmc/sigterm"  # set in the default group's store by the first rank that sees a SIGTERM
-ERROR_KEY, ERROR_READ_KEY = "lit_gmc/error", "lit_gmc/error_read"  # the first failing rank's message; who read it
-ERROR_READ_S = 10.0  # how long a rank that published its error waits for the others to read it before it exits
+ERROR_KEY = "lit_gmc/error"  # the first failing rank's message (a UserError's), for the others to raise
+ERROR_READ_S = 10.0  # how long a rank that published its error waits for the others to come and read it
 STOP = "lit_gmc: stop"
 """What rank 0 scatters instead of the shares when a SIGTERM stops the run while the other ranks wait for it."""
 _channel: tuple[Any, Any] | None = None  # (the default group it was made in, the gloo group)
@@ -150,8 +150,10 @@ def sigterm_requested() -> bool:
 def publish_error(message: str) -> None:
     """Give ``message`` (a :class:`~lit_gmc.errors.UserError`'s, as this rank fails) to every other rank's polled wait.
 
-    The first rank to publish is the one whose message every rank prints; it then waits up to :data:`ERROR_READ_S`
-    for the others to read it, since a store hosted by this process goes with it. Nothing on one process.
+    The first rank to publish is the one whose message every rank prints. It then joins the barrier the others wait
+    in on the channel (for up to :data:`ERROR_READ_S`), so that theirs completes, they read the message and leave
+    with no collective pending: a process that exits with one pending may abort in gloo's threads when its peer
+    goes, and its status is then not 2. Nothing on one process.
     """
     if rank_and_world()[1] == 1 or _error["read"] or _error["own"]:  # the error this rank raises is another's
         return
@@ -159,8 +161,11 @@ def publish_error(message: str) -> None:
     if store.compare_set(ERROR_KEY, "", message).decode() != message:
         return  # another rank's came first
     _error["own"] = True
+    if _channel is None or _channel[0] is not dist.group.WORLD:  # failed before the channel was made
+        return
+    joined = dist.barrier(group=_channel[1], async_op=True)
     deadline = time.monotonic() + ERROR_READ_S
-    while store.add(ERROR_READ_KEY, 0) < rank_and_world()[1] - 1 and time.monotonic() < deadline:
+    while not joined.is_completed() and time.monotonic() < deadline:
         time.sleep(POLL_S / 2)
 
 
@@ -170,35 +175,32 @@ def raise_published_error() -> None:
         return
     try:
         store = dist.distributed_c10d._get_default_store()
-        if not store.check([ERROR_KEY]):
-            return
-        message = store.get(ERROR_KEY).decode()
-        if not _error["read"]:
-            _error["read"] = True
-            store.add(ERROR_READ_KEY, 1)
+        message = store.get(ERROR_KEY).decode() if store.check([ERROR_KEY]) else None
     except (RuntimeError, ValueError):  # no store to ask: the rank that hosted it is gone, and its message with it
         return
-    raise UserError(message)
+    if message is not None:
+        _error["read"] = True
+        raise UserError(message)
 
 
-def wait_polled(work: Any) -> None:
-    """Wait for an asynchronous collective of the channel, looking at SIGTERM and errors every :data:`POLL_S`.
+def wait_polled(barrier: Any) -> None:
+    """Wait for an asynchronous barrier of the channel, then raise another rank's published error, if any.
 
-    Meanwhile this rank's SIGTERM is published (:func:`sigterm_requested`) and another rank's published error raised
-    (:func:`raise_published_error`): a rank blocked in gloo runs no signal handler, and polling an event sees both
-    at no delay once the collective completes. A collective that fails because a rank went away raises that rank's
-    error, if it published one, rather than gloo's.
+    Meanwhile this rank's SIGTERM is published (:func:`sigterm_requested`) every :data:`POLL_S`: a rank blocked in
+    gloo runs no signal handler, and polling an event sees the signal at no delay once the barrier completes. A rank
+    that failed joins the barrier after publishing its error (:func:`publish_error`); one that went away without
+    joining fails the barrier, which then raises its error, if it published one, rather than gloo's.
     """
     done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
+    barrier.get_future().add_done_callback(lambda _: done.set())
     while not done.wait(POLL_S):
         sigterm_requested()
-        raise_published_error()
     try:
-        work.wait()
+        barrier.wait()
     except RuntimeError:
         raise_published_error()
         raise
+    raise_published_error()
 
 
 def scatter_from_first(shares: list[T] | None) -> T:
@@ -230,8 +232,10 @@ def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank; every rank calls it, so it also waits for rank 0 like a barrier."""
     if rank_and_world()[1] == 1:
         return flag
+    channel = open_rank0_channel()
+    wait_polled(dist.barrier(group=channel, async_op=True))  # rank 0 may be busy: wait where SIGTERM is seen
     vote = torch.tensor([int(flag)])  # on the CPU: the channel is gloo
-    wait_polled(dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=open_rank0_channel(), async_op=True))
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=channel)
     return bool(vote.item())
 
 
