@@ -515,11 +515,14 @@ def test_options_are_checked_with_their_names_in_one_message():
         VLLMServers(urls=["localhost:8000"], launch=2, devices=["1"], bucket_bytes=0)
 
 
-def test_every_wait_on_a_server_that_never_answers_ends_within_a_poll_of_a_sigterm():
+def test_every_wait_on_a_server_that_never_answers_ends_within_a_poll_of_a_sigterm(caplog):
     """A server that accepts connections and answers nothing (a stopped ``vllm serve``: the kernel still accepts):
     the sync's health checks and weight-transfer calls, and a launch's completion requests, each end with
-    ``Interrupted`` within a poll of ``stop`` turning true, not at their timeouts (10 s, an hour)."""
+    ``Interrupted`` within a poll of ``stop`` turning true, not at their timeouts (10 s, an hour). The requests given
+    up leave asyncio nothing to log when they are collected (a traceback logged then, inside an ``ast.parse``, breaks
+    it under Python 3.11.7: pytest's own summary failed so)."""
     import asyncio
+    import gc
     import socket
     import threading
 
@@ -545,3 +548,5 @@ def test_every_wait_on_a_server_that_never_answers_ends_within_a_poll_of_a_sigte
     for thread in threading.enumerate():  # the calls given up end once the server goes (their connections reset)
         if thread.name.startswith("lit_gmc-"):
             thread.join(timeout=15)
+    gc.collect()
+    assert not [record.getMessage() for record in caplog.records if record.name == "asyncio"]

@@ -36,6 +36,7 @@ finish it when the next update's start is refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -589,6 +590,10 @@ class VLLMServers(RolloutEngine):
             while not (await asyncio.wait({answers}, timeout=POLL_S))[0]:
                 if self.stop():  # a SIGTERM: a server that does not answer must not hold the run
                     answers.cancel()
+                    # Its outcome read, or asyncio logs it with a traceback when the gather is collected (under
+                    # Python 3.11.7, inside any ast.parse then running, which that breaks).
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await answers
                     raise RequestsInterrupted(f"VLLMServers: SIGTERM while waiting for {', '.join(sorted(set(urls)))}")
             return answers.result()
 
