@@ -461,9 +461,8 @@ class VLLMServers(RolloutEngine):
 
     def _answering_servers(self, version: int) -> list[str]:
         """The servers that answer now, in listed order; warns of each one lost or back since the last sync."""
-        asked = [in_thread(lambda url=url: self.answering(url), "lit_gmc-health") for url in self.urls]
-        wait_for(asked, self.stop, "the servers' /health")
-        answering = [url for url, answers in zip(self.urls, asked, strict=True) if answers.result()]
+        asked = [in_thread(lambda url=url: self.answering(url), "lit_gmc-health") for url in self.urls]  # at once
+        answering = [url for url, answers in zip(self.urls, asked, strict=True) if answers.result()]  # each polls
         if not answering:
             raise ServerLostError(f"no vLLM server answers at the weight update to version {version} ("
                                   f"{', '.join(self.urls)}): restart them, then resume with --ckpt_path last"
