@@ -15,15 +15,18 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_gmc.distributed import full_tensor, wait_for_rank0
+from lit_gmc.distributed import any_rank, full_tensor, wait_for_rank0
 
 
 @runtime_checkable
 class WeightSink(Protocol):
     """Anything that can take new weights, e.g. a rollout engine."""
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Replace the weights in place; ``version`` is the number of optimizer updates they include."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> bool | None:
+        """Replace the weights in place; ``version`` is the number of optimizer updates they include.
+
+        ``True`` asks for the same weights again (a receiver lost mid-stream, the others waiting for a whole update).
+        """
 
 
 class WeightSync(pl.Callback):
@@ -36,7 +39,8 @@ class WeightSync(pl.Callback):
     Under several processes the sink lives on global rank 0 (the rollout engine's owner). DDP replicas are
     identical, so rank 0 sends its own; FSDP2 parameters are gathered one at a time (``DTensor.full_tensor``,
     a collective every rank joins) and streamed to the sink on rank 0, so no rank ever holds a second full
-    copy of the model.
+    copy of the model. A sink that returns ``True`` (some of its receivers were lost mid-stream, the others
+    wait for a whole update) is streamed the same weights again, by every rank.
 
     Args:
         sink: Where to send weights; ``None`` takes ``trainer.datamodule.weight_sink`` at setup.
@@ -122,11 +126,16 @@ class WeightSync(pl.Callback):
             for name, p in selected:
                 yield name, full_tensor(p.detach()) if self.dtype is None else full_tensor(p.detach()).to(self.dtype)
 
-        named = named_tensors()
-        if pl_module.global_rank == 0:
-            self.sink.load_weights(named, version)
-        for _ in named:  # the other ranks (and a sink that stopped early) still join every gather
-            pass
+        again = True
+        while again:
+            named, again = named_tensors(), False
+            try:
+                if pl_module.global_rank == 0:
+                    again = bool(self.sink.load_weights(named, version))
+            finally:  # the other ranks (and a sink that stopped early, or failed) still join every gather
+                for _ in named:
+                    pass
+            again = any_rank(again)  # every rank streams again, or none does
         self.last_synced_step = version
 
     @override

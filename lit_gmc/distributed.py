@@ -15,10 +15,14 @@ rank 0 may still be busy when the others reach their next collective (``lit_gmc.
 DataModule's ``setup`` and ``state_dict``, ``WeightSync``).
 
 SIGTERM while a rank waits (:func:`note_sigterm`, :func:`sigterm_requested`): a rank blocked inside a gloo
-collective runs no Python signal handler until the collective returns, so the other ranks' wait for rank 0 is an
-asynchronous barrier polled from Python (:func:`scatter_from_first`); a rank that notes SIGTERM there, or anywhere,
-publishes it in the default group's store, where rank 0's own waits (a reward, a request to a server) see it. Rank 0
-then answers every rank with :data:`STOP` instead of their shares, so all ranks stop at the same update boundary.
+collective runs no Python signal handler until the collective returns, so every wait on the channel
+(:func:`scatter_from_first`, :func:`wait_for_rank0`, :func:`any_rank`) is an asynchronous collective polled from
+Python every :data:`POLL_S`; a rank that notes SIGTERM there, or anywhere, publishes it in the default group's store,
+where rank 0's own waits (a reward, a request to a server, a weight sync) see it. Rank 0 then answers every rank with
+:data:`STOP` instead of their shares, or the ranks vote after the update (``lit_gmc.checkpoint.RunCheckpoint``), so
+all ranks stop at the same update boundary. A rank that fails with a :class:`~lit_gmc.errors.UserError` publishes
+its message there too (:func:`publish_error`), and each polled wait of the other ranks raises the same error, so
+every rank ends in the same line rather than in gloo's "Connection closed by peer".
 
 Written on ``torch.distributed`` directly: Lightning's strategy exposes ``broadcast`` and ``all_gather`` but no
 scatter of Python objects and no gather of tensors whose first dimension differs between ranks.
@@ -26,7 +30,11 @@ scatter of Python objects and no gather of tensors whose first dimension differs
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -35,19 +43,61 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_gmc.errors import UserError
+
 T = TypeVar("T")
 
 DEFAULT_RANK0_WAIT = timedelta(hours=12)
 POLL_S = 0.1  # how often a wait for rank 0 looks at SIGTERM: a stop is acted on within this
 SIGTERM_KEY = "lit_gmc/sigterm"  # set in the default group's store by the first rank that sees a SIGTERM
+ERROR_KEY = "lit_gmc/error"  # the first failing rank's message (a UserError's), for the others to raise
+ERROR_READ_S = 10.0  # how long a rank that published its error waits for the others to come and read it
 STOP = "lit_gmc: stop"
 """What rank 0 scatters instead of the shares when a SIGTERM stops the run while the other ranks wait for it."""
 _channel: tuple[Any, Any] | None = None  # (the default group it was made in, the gloo group)
 _sigterm = {"noted": False, "published": False}  # this process's, for the run of the current default group
+_error = {"read": False, "own": False}  # this process read another rank's published error, or published its own
 
 
 class Interrupted(Exception):
     """A wait ended because the run received SIGTERM; the caller puts its state back and stops at the last update."""
+
+
+class SendAgain(Exception):
+    """A weight update lost a receiver mid-stream; the others wait for the same weights, streamed again by every rank.
+
+    A stream of gathered parameters cannot be replayed by the engine that consumes it: ``WeightSync`` restreams.
+    """
+
+
+def in_thread(call: Callable[[], T], name: str) -> Future[T]:
+    """``call()`` on a daemon thread of its own, as a future, so that a wait for it can be given up (:func:`wait_for`).
+
+    A ``ThreadPoolExecutor``'s workers are joined when the interpreter exits: one blocked in a request to a server
+    that stopped answering would hold a preempted run's exit for the request's whole timeout.
+    """
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as err:  # the waiter raises it
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def wait_for(futures: Iterable[Future], stop: Callable[[], bool], what: str) -> None:
+    """Wait until every future is done, looking at ``stop`` every :data:`POLL_S`; :class:`Interrupted` once it is true.
+
+    The futures' own errors are left to the caller (``future.result()``).
+    """
+    pending = set(futures)
+    while pending:
+        pending = wait_futures(pending, timeout=POLL_S).not_done
+        if pending and stop():
+            raise Interrupted(f"SIGTERM while waiting for {what}")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -72,6 +122,7 @@ def open_rank0_channel(timeout: timedelta | None = None) -> Any:
         group = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_RANK0_WAIT)
         _channel = (dist.group.WORLD, group)
         _sigterm.update(noted=False, published=False)  # a new run
+        _error.update(read=False, own=False)
     return _channel[1]
 
 
@@ -96,6 +147,62 @@ def sigterm_requested() -> bool:
     return store.check([SIGTERM_KEY])
 
 
+def publish_error(message: str) -> None:
+    """Give ``message`` (a :class:`~lit_gmc.errors.UserError`'s, as this rank fails) to every other rank's polled wait.
+
+    The first rank to publish is the one whose message every rank prints. It then joins the barrier the others wait
+    in on the channel (for up to :data:`ERROR_READ_S`), so that theirs completes, they read the message and leave
+    with no collective pending: a process that exits with one pending may abort in gloo's threads when its peer
+    goes, and its status is then not 2. Nothing on one process.
+    """
+    if rank_and_world()[1] == 1 or _error["read"] or _error["own"]:  # the error this rank raises is another's
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if store.compare_set(ERROR_KEY, "", message).decode() != message:
+        return  # another rank's came first
+    _error["own"] = True
+    if _channel is None or _channel[0] is not dist.group.WORLD:  # failed before the channel was made
+        return
+    joined = dist.barrier(group=_channel[1], async_op=True)
+    deadline = time.monotonic() + ERROR_READ_S
+    while not joined.is_completed() and time.monotonic() < deadline:
+        time.sleep(POLL_S / 2)
+
+
+def raise_published_error() -> None:
+    """Raise, as a :class:`~lit_gmc.errors.UserError`, the error another rank published (:func:`publish_error`)."""
+    if _error["own"]:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        message = store.get(ERROR_KEY).decode() if store.check([ERROR_KEY]) else None
+    except (RuntimeError, ValueError):  # no store to ask: the rank that hosted it is gone, and its message with it
+        return
+    if message is not None:
+        _error["read"] = True
+        raise UserError(message)
+
+
+def wait_polled(barrier: Any) -> None:
+    """Wait for an asynchronous barrier of the channel, then raise another rank's published error, if any.
+
+    Meanwhile this rank's SIGTERM is published (:func:`sigterm_requested`) every :data:`POLL_S`: a rank blocked in
+    gloo runs no signal handler, and polling an event sees the signal at no delay once the barrier completes. A rank
+    that failed joins the barrier after publishing its error (:func:`publish_error`); one that went away without
+    joining fails the barrier, which then raises its error, if it published one, rather than gloo's.
+    """
+    done = threading.Event()
+    barrier.get_future().add_done_callback(lambda _: done.set())
+    while not done.wait(POLL_S):
+        sigterm_requested()
+    try:
+        barrier.wait()
+    except RuntimeError:
+        raise_published_error()
+        raise
+    raise_published_error()
+
+
 def scatter_from_first(shares: list[T] | None) -> T:
     """Rank 0 passes one picklable object per rank and gets its own back; every other rank passes ``None``.
 
@@ -109,14 +216,7 @@ def scatter_from_first(shares: list[T] | None) -> T:
     if rank == 0 and (shares is None or len(shares) != world):
         raise ValueError(f"scatter_from_first needs {world} shares on rank 0, got {shares!r:.80}")
     channel = open_rank0_channel()
-    if rank != 0:  # rank 0 may be busy for hours: wait where a SIGTERM can be seen and passed on
-        waiting = dist.barrier(group=channel, async_op=True)
-        while not waiting.is_completed():
-            sigterm_requested()  # publishes this rank's SIGTERM for rank 0, which answers with STOP
-            time.sleep(POLL_S)
-        waiting.wait()
-    else:
-        dist.barrier(group=channel)
+    wait_polled(dist.barrier(group=channel, async_op=True))  # rank 0 may be busy for hours
     received: list[Any] = [None]
     dist.scatter_object_list(received, shares if rank == 0 else None, src=0, group=channel)
     return received[0]
@@ -125,15 +225,17 @@ def scatter_from_first(shares: list[T] | None) -> T:
 def wait_for_rank0() -> None:
     """Return on every rank once every rank (rank 0 last, when it is the busy one) has called it; over the channel."""
     if rank_and_world()[1] > 1:
-        dist.barrier(group=open_rank0_channel())
+        wait_polled(dist.barrier(group=open_rank0_channel(), async_op=True))
 
 
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank; every rank calls it, so it also waits for rank 0 like a barrier."""
     if rank_and_world()[1] == 1:
         return flag
+    channel = open_rank0_channel()
+    wait_polled(dist.barrier(group=channel, async_op=True))  # rank 0 may be busy: wait where SIGTERM is seen
     vote = torch.tensor([int(flag)])  # on the CPU: the channel is gloo
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=open_rank0_channel())
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=channel)
     return bool(vote.item())
 
 

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,19 +190,6 @@ class Ranks:
         return (self.logs / f"rank{rank}.err").read_text()
 
 
-class KillAt(pl.Callback):
-    """SIGKILL this process at the start of update ``step``, as when its node dies: no exception handler, teardown
-    or checkpoint runs. At the start of an update rather than at a random moment, so the kill never lands inside a
-    weight transfer or a checkpoint write, which would test those rather than the resume."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class KillProcessAt(pl.Callback):
     """SIGKILL the process ``pid`` (e.g. a ``vllm serve``) once update ``step`` is done, as when it crashes.
 
@@ -216,10 +204,68 @@ class KillProcessAt(pl.Callback):
             os.kill(self.pid, signal.SIGKILL)
 
 
+class SignalServerInSync(pl.Callback):
+    """Global rank 0 sends ``sig`` (a signal number) to a ``vllm serve`` in the middle of the weight sync to version
+    ``step``, once the sink has taken ``after`` tensors, then writes ``marker``: SIGSTOP for a server that stops
+    answering, SIGKILL for one lost. ``pid``: the server's (``None``: the one the engine launched); ``group``: its
+    whole process group (the server, its engine core and worker, as when its node goes), else its API process alone
+    (as when it crashes).
+
+    It wraps the sink of the ``WeightSync`` listed before it (the shipped one), so the sync is the real one."""
+
+    def __init__(self, step: int, sig: int, marker: str, pid: int | None = None, group: bool = True,
+                 after: int = 2) -> None:  # fmt: skip
+        self.step, self.sig, self.marker, self.pid, self.group, self.after = step, sig, marker, pid, group, after
+
+    def setup(self, trainer, pl_module, stage):
+        from lit_gmc.callbacks.weight_sync import WeightSync
+
+        sync = next(callback for callback in trainer.callbacks if isinstance(callback, WeightSync))
+        inner, signal_in = sync.sink, self.signal_in
+
+        class Signalling:
+            def load_weights(self, named_tensors, version):
+                return inner.load_weights(signal_in(named_tensors, version, trainer), version)
+
+        sync.sink = Signalling()
+
+    def signal_in(self, named_tensors, version, trainer):
+        for taken, item in enumerate(named_tensors):
+            if version == self.step and taken == self.after and not Path(self.marker).exists():
+                pid = self.pid if self.pid is not None else trainer.datamodule.rollout_engine.processes[0].pid
+                (os.killpg if self.group else os.kill)(pid, self.sig)
+                Path(self.marker).write_text(str(pid))
+            yield item
+
+
+class WaitForServer(pl.Callback):
+    """Global rank 0 waits, once update ``step`` has ended, until the server at ``url`` answers ``/health`` (one the
+    test starts again), so that the next sync finds it."""
+
+    def __init__(self, step: int, url: str, timeout: float = 400) -> None:
+        self.step, self.url, self.timeout = step, url, timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import requests
+
+        if trainer.global_step != self.step or trainer.global_rank != 0:
+            return
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).ok:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.url} did not answer within {self.timeout} s")
+
+
 class ServedWeights(pl.Callback):
     """After each weight sync (list it after ``WeightSync``), global rank 0 appends one JSON line to ``out``: the
-    step, each server's weight version and vLLM checksums (``/weight_checker``, by parameter name), and the sha256 of
-    each of the learner's policy parameters (``actor.`` stripped, as ``WeightSync`` sends them)."""
+    step, the time, each sampling server's URL, weight version and vLLM checksums (``/weight_checker``, by parameter
+    name), and the sha256 of each of the learner's policy parameters (``actor.`` stripped, as ``WeightSync`` sends
+    them). A sync that a SIGTERM interrupted (the engine is not at the step's version) writes nothing."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -233,16 +279,18 @@ class ServedWeights(pl.Callback):
     def record(self, trainer, pl_module) -> None:
         import requests
 
-        if trainer.global_rank != 0:
+        engine = trainer.datamodule.rollout_engine if trainer.global_rank == 0 else None
+        if engine is None or engine.version != trainer.global_step:
             return
         servers = []
-        for url in trainer.datamodule.rollout_engine.urls:
+        for url in engine.live:
             version = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
-            servers.append({"version": version, "checksums": server_checksums(url)})
+            servers.append({"url": url, "version": version, "checksums": server_checksums(url)})
         learner = {name.removeprefix("actor."): sha256(p) for name, p in pl_module.named_parameters()
                    if name.startswith("actor.")}  # fmt: skip
         with open(self.out, "a") as handle:
-            handle.write(json.dumps({"step": trainer.global_step, "servers": servers, "learner": learner}) + "\n")
+            handle.write(json.dumps({"step": trainer.global_step, "time": time.time(), "servers": servers,
+                                     "learner": learner}) + "\n")  # fmt: skip
 
 
 def server_checksums(url: str) -> dict[str, str]:

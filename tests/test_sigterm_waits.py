@@ -7,7 +7,7 @@ between two updates is a cell of tests/test_resume.py's matrix): every rank exit
 holds the last whole update and ``--ckpt_path last`` gives the records of an unbroken run. The time from the signal
 to the last rank's exit is printed (``-s``).
 
-The callback and the helpers here are also used by ``tests/test_vllm_serve.py`` (a server stopped with SIGSTOP).
+The helpers and time limits here are also used by ``tests/test_vllm_serve.py`` (a sync to a stopped server).
 """
 
 from __future__ import annotations
@@ -51,19 +51,6 @@ class HangAfter(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             HANG["marker"] = self.marker
-
-
-class SignalProcessAt(pl.Callback):
-    """Global rank 0 sends ``sig`` (a signal number) to ``pid`` once update ``step`` has ended (after the callbacks
-    listed before it, ``WeightSync``'s sync included), then writes ``marker``: e.g. SIGSTOP to a ``vllm serve``."""
-
-    def __init__(self, step: int, pid: int, sig: int, marker: str) -> None:
-        self.step, self.pid, self.sig, self.marker = step, pid, sig, marker
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step and trainer.is_global_zero:
-            os.kill(self.pid, self.sig)
-            Path(self.marker).write_text(str(time.time()))
 
 
 def wait_for_file(path: Path, processes, timeout: float) -> None:
@@ -154,17 +141,3 @@ def test_a_user_error_on_rank0_while_rank1_waits_ends_every_rank_in_its_one_line
                                     "ZeroDivisionError"), last_lines[0]  # fmt: skip
     for rank in (0, 1):
         assert ranks.stderr(rank).count("lit_gmc: error:") == 1 and "Traceback" not in ranks.stderr(rank)
-
-
-class KillLaunchedServerAt(pl.Callback):
-    """Global rank 0 SIGKILLs the ``vllm serve`` its engine launched (its API process only, as a crash does) once update
-    ``step`` has ended, after writing the server's process group id to ``out``."""
-
-    def __init__(self, step: int, out: str) -> None:
-        self.step, self.out = step, out
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step and trainer.is_global_zero:
-            server = trainer.datamodule.rollout_engine.processes[0]
-            Path(self.out).write_text(str(server.pid))
-            os.kill(server.pid, signal.SIGKILL)

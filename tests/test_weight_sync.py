@@ -145,3 +145,45 @@ def test_a_prefix_that_selects_nothing_is_an_error_before_anything_is_sent(tmp_p
     assert "WeightSync(prefix='actor.') would send nothing" in message and "PolicyModule" in message
     assert "policy.weight" in message and "'policy.'" in message
     assert sink.calls == []
+
+
+class LosingSink(RecordingSink):
+    """A sink whose receivers are lost once mid-stream at ``version``: it takes one tensor, then asks for them again
+    (``True``), as ``VLLMServers`` does through the DataModule; or raises instead, with ``fails``."""
+
+    def __init__(self, version: int, fails: bool = False) -> None:
+        super().__init__()
+        self.version, self.fails, self.lost = version, fails, False
+
+    def load_weights(self, named_tensors, version: int) -> bool:
+        if version == self.version and not self.lost:
+            self.lost = True
+            next(iter(named_tensors))
+            if self.fails:
+                raise ConnectionError("every receiver lost")
+            return True
+        super().load_weights(named_tensors, version)
+        return False
+
+
+def test_a_sink_that_loses_its_receivers_mid_stream_is_streamed_again_and_a_failing_one_still_drained(
+    tmp_path, monkeypatch
+):
+    """Under FSDP2 each parameter of the stream is a gather that every rank joins: rank 0 iterates the stream to its
+    end whatever its sink did, so no rank is left inside a gather, and a sink asking for the weights again gets all of
+    them again, at the same version (every rank streams again: ``any_rank`` agrees on it)."""
+    import lit_gmc.callbacks.weight_sync as weight_sync
+
+    gathered = []
+    monkeypatch.setattr(weight_sync, "full_tensor", lambda tensor: gathered.append(tensor) or tensor)
+    sink, module = LosingSink(version=1), PolicyModule()
+    make_trainer(tmp_path, [WeightSync(sink, prefix="policy.")], 2, enable_checkpointing=False).fit(
+        module, constant_batches(2)
+    )
+    assert [v for v, _ in sink.calls] == [0, 1, 2] and all(set(w) == {"weight", "bias"} for _, w in sink.calls)
+    assert len(gathered) == 2 * 4  # 3 syncs of 2 parameters, the one at version 1 twice
+    gathered.clear()
+    failing = WeightSync(LosingSink(version=1, fails=True), prefix="policy.")
+    with pytest.raises(ConnectionError, match="every receiver lost"):
+        make_trainer(tmp_path, [failing], 2, enable_checkpointing=False).fit(PolicyModule(), constant_batches(2))
+    assert len(gathered) == 2 * 2  # version 0, and all of version 1 although its sink stopped after one

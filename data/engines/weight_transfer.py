@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lit_gmc.distributed import POLL_S, Interrupted, in_thread, wait_for
+
 try:  # this module is vLLM's plugin: its classes derive from vLLM's
     from vllm.distributed.weight_transfer.base import (
         TrainerInitInfo,
@@ -279,16 +281,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._times, self._started = ReceiveTimes(), time.perf_counter()
         initialize_layerwise_reload(self.model)
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, failed: bool = False) -> None:
         """Close the layerwise reload (layers that received nothing keep their tensors) and log where time went."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finishing = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         done, t = time.perf_counter(), self._times
-        worker_log.info("lit_gmc weight update: %d buckets, %.1f MiB in %.3f s: buckets %.3f s (waiting for bytes "
-                        "%.3f s, load_weights %.3f s), finalize %.3f s", t.buckets, t.bytes / 2**20,
-                        done - self._started, t.bucket_s, t.wait_s, t.load_s, done - finishing)  # fmt: skip
+        worker_log.info("lit_gmc weight update%s: %d buckets, %.1f MiB in %.3f s: buckets %.3f s (waiting for bytes "
+                        "%.3f s, load_weights %.3f s), finalize %.3f s", " FAILED" if failed else "", t.buckets,
+                        t.bytes / 2**20, done - self._started, t.bucket_s, t.wait_s, t.load_s,
+                        done - finishing)  # fmt: skip
 
     def ties_head(self) -> bool:
         """Whether the served model ties its output layer to the input embedding."""
@@ -314,7 +317,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             receive_update(self.group, update_info, self._partial, self.load, self._times)
         except Exception:
             self._partial.clear()
-            self.finish_weight_update()
+            self.finish_weight_update(failed=True)
             raise
 
     def shutdown(self) -> None:
@@ -389,37 +392,43 @@ class BucketSender:
     """
 
     def __init__(self, client: VLLMWeightSyncClient, broadcast: Callable[[Tensor], Any], bucket_bytes: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu",
-                 vllm_packed: bool = False) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device | str = "cpu", vllm_packed: bool = False,
+                 stop: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
         if bucket_bytes < dtype.itemsize:
             raise ValueError(f"bucket_bytes={bucket_bytes} must hold one {dtype} element ({dtype.itemsize} bytes)")
-        self.client, self.broadcast, self.vllm_packed = client, broadcast, vllm_packed
+        self.client, self.broadcast, self.vllm_packed, self.stop = client, broadcast, vllm_packed, stop
         self.capacity = bucket_bytes // dtype.itemsize  # elements of one buffer
         self.dtype, self.device = dtype, torch.device(device)
         self.times = SendTimes()  # of the last send
+        self.unfinished: list = []  # broadcasts a failed or interrupted send left in flight, with what they read
 
     def send(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
-        """One complete update: start, every bucket, finish with ``version``."""
-        from concurrent.futures import ThreadPoolExecutor
+        """One complete update: start, every bucket, finish with ``version``.
 
+        Every wait looks at ``stop`` every ``POLL_S`` and ends in :class:`~lit_gmc.distributed.Interrupted` once it
+        is true (a SIGTERM while a server does not answer); the broadcasts then still in flight are left in
+        :attr:`unfinished`, since the group they are on cannot be destroyed until they end.
+        """
         times = self.times = SendTimes()
         began = time.perf_counter()
         self.client.start_weight_update()
         times.start_s = time.perf_counter() - began
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        buckets = _DoubleBuffer(self)
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit_gmc-weights") as pool:
-                buckets = _DoubleBuffer(self, pool)
-                copying = time.perf_counter()
-                for name, tensor in named:
-                    buckets.add(name, tensor.detach())
-                buckets.flush()
-                times.copy_s = time.perf_counter() - copying - times.wait_s
-                buckets.close()
-                del buckets  # the buffers go before the servers finish
+            copying = time.perf_counter()
+            for name, tensor in named:
+                buckets.add(name, tensor.detach())
+            buckets.flush()
+            times.copy_s = time.perf_counter() - copying - times.wait_s
+            buckets.close()
+        except BaseException:
+            self.unfinished, buckets.in_flight = buckets.in_flight, []
+            raise
         finally:
             torch.set_num_threads(threads)
+            del buckets  # the buffers go before the servers finish
         finishing = time.perf_counter()
         self.client.finish_weight_update(version)
         times.finish_s = time.perf_counter() - finishing
@@ -433,8 +442,8 @@ class BucketSender:
 class _DoubleBuffer:
     """The state of one :meth:`BucketSender.send`: the buffer being filled, its pieces, and the bucket in flight."""
 
-    def __init__(self, sender: BucketSender, pool) -> None:
-        self.sender, self.pool = sender, pool
+    def __init__(self, sender: BucketSender) -> None:
+        self.sender = sender
         self.buffers: list[Tensor | None] = [None, None]  # allocated when first filled: a small model needs one
         self.filling, self.used, self.pieces = 0, 0, []
         self.in_flight: list = []  # the broadcasts of the last bucket, with the tensors they read
@@ -445,7 +454,7 @@ class _DoubleBuffer:
 
     def _announce(self, update_info: dict[str, Any]):
         self.sender.times.calls += 1
-        return self.pool.submit(self.sender._timed_call, update_info)
+        return in_thread(lambda: self.sender._timed_call(update_info), "lit_gmc-weights")
 
     def buffer(self) -> Tensor:
         if self.buffers[self.filling] is None:
@@ -502,23 +511,30 @@ class _DoubleBuffer:
                 self._wait_sent(sent)
         self.in_flight = []
         if self.sender.vllm_packed and self.call is not None:
-            self.call.result()
-            self.call = None
+            self._wait_call()
         self.sender.times.wait_s += time.perf_counter() - waiting
 
     def _wait_sent(self, sent) -> None:
         # A server that answers its call before it has received (it failed) would leave a broadcast waiting for
         # the group's timeout: wait for whichever comes first, and raise the server's error.
-        if self.call is None or not hasattr(sent, "get_future"):
+        if not hasattr(sent, "get_future"):
             sent.wait()
             return
         either = threading.Event()
         sent.get_future().add_done_callback(lambda _: either.set())
-        self.call.add_done_callback(lambda _: either.set())
-        either.wait()
-        if self.call.done():
+        if self.call is not None:
+            self.call.add_done_callback(lambda _: either.set())
+        while not either.wait(POLL_S):
+            if self.sender.stop():  # a SIGTERM while a server takes no bytes (stopped): the gloo timeout is 30 min
+                raise Interrupted("SIGTERM while a weight update's bytes waited for a server to take them")
+        if self.call is not None and self.call.done():
             self.call.result()  # the server's error, if it failed
         sent.wait()
+
+    def _wait_call(self) -> None:
+        wait_for([self.call], self.sender.stop, "the servers to load a weight update")
+        self.call.result()
+        self.call = None
 
     def close(self) -> None:
         """End the update (in band: broadcast its end) and wait for the servers to have loaded every bucket."""
@@ -528,8 +544,7 @@ class _DoubleBuffer:
             self.wait()
         if self.call is not None:
             waiting = time.perf_counter()
-            self.call.result()
-            self.call = None
+            self._wait_call()
             self.sender.times.wait_s += time.perf_counter() - waiting
 
 
@@ -563,30 +578,61 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:  # fmt: skip
-        """Open the group with the servers (they join in ``init_weight_transfer_engine``, at rank offset 1)."""
-        from concurrent.futures import ThreadPoolExecutor
+        """Open the group with the servers (they join in ``init_weight_transfer_engine``, at rank offset 1).
 
+        A client with a ``stop`` (``ServerGroupClient``) has every wait of the group's life poll it: joining, and
+        each :meth:`send_stream`.
+        """
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
+        stop = getattr(client, "stop", lambda: False)
         worker_info = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size,
                                    init_info.timeout_s)  # fmt: skip
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers block until every rank has joined
-            joined = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            engine._store, engine.group = open_gloo_group(init_info.master_address, init_info.master_port, 0,
-                                                          init_info.world_size, init_info.timeout_s)  # fmt: skip
-            joined.result()
+        # Both block until every rank has joined: on threads, so that a SIGTERM meanwhile ends the wait.
+        address, port, world, timeout = (init_info.master_address, init_info.master_port, init_info.world_size,
+                                         init_info.timeout_s)  # fmt: skip
+        joined = in_thread(lambda: client.init_weight_transfer_engine(asdict(worker_info)), "lit_gmc-join")
+        opened = in_thread(lambda: open_gloo_group(address, port, 0, world, timeout), "lit_gmc-join")
+        wait_for([joined, opened], stop, "the servers to join the weight-transfer group")
+        joined.result()
+        engine._store, engine.group = opened.result()
         engine.sender = BucketSender(client, lambda t: engine.group.broadcast(t, 0), init_info.bucket_bytes,
-                                     getattr(torch, init_info.dtype))  # fmt: skip
+                                     getattr(torch, init_info.dtype), stop=stop)  # fmt: skip
         return engine
 
     def send_stream(self, named: Iterable[tuple[str, Tensor]], version: str | None = None) -> None:
-        """Send one update from a one-shot stream of ``(name, tensor)`` (consumed on every rank)."""
+        """Send one update from a one-shot stream of ``(name, tensor)`` (consumed on every rank).
+
+        A send that fails or is interrupted leaves the group unusable (the servers' workers are somewhere in the
+        update): it is retired, and the caller opens another.
+        """
         if not self.is_sender:
             for _ in named:
                 pass
             return
-        self.sender.send(named, version)
+        try:
+            self.sender.send(named, version)
+        except BaseException:
+            self.retire()
+            raise
+
+    def retire(self) -> None:
+        """Leave the group, destroying it once the broadcasts in flight have ended (at once when none is).
+
+        Destroying a gloo group joins its threads, so it waits for a send that a stopped server does not read:
+        a daemon thread waits instead, holding the group, and the process can still exit. Destroying it closes its
+        connections, which ends the surviving workers' receive (their ``/update_weights`` call then returns).
+        """
+        held = [self.group, self._store, self.sender.unfinished]
+        self.group, self._store, self.sender.unfinished = None, None, []
+
+        def destroy() -> None:
+            while not all(sent is None or sent.is_completed() for sent, _ in held[2]):
+                time.sleep(POLL_S)
+            held.clear()
+
+        threading.Thread(target=destroy, name="lit_gmc-retire", daemon=True).start()
 
     def send_weights(self) -> None:
         """Send the source given at ``trainer_init`` (vLLM's interface)."""
@@ -625,7 +671,8 @@ class NCCLStreamSender:
             self.group = open_endpoint({"master_address": address, "master_port": port, "world_size": world_size})
             joined.result()
         device = torch.device("cuda", torch.cuda.current_device())
-        self.sender = BucketSender(client, self._broadcast, bucket_bytes, dtype, device, vllm_packed=True)
+        self.sender = BucketSender(client, self._broadcast, bucket_bytes, dtype, device, vllm_packed=True,
+                                   stop=getattr(client, "stop", lambda: False))  # fmt: skip
 
     def _broadcast(self, tensor: Tensor) -> None:
         # On the current stream, as the buffers' copies: a buffer is refilled only after its broadcast has read it.
