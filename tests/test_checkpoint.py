@@ -151,7 +151,7 @@ def test_a_resume_says_that_it_goes_back_past_a_save_that_was_killed(tmp_path, r
     strategy.save_checkpoint(sharded(8), folder / ".last.ckpt.staging")  # a complete staged save, never put in place
     recwarn.clear()  # torch.distributed.checkpoint's, for a save in a process without a process group
     assert checkpoint_file("last", str(folder)) == folder / "last.ckpt" and not recwarn
-    check_resume("last", str(folder), None, {})
+    check_resume("last", str(folder), {}, {})
     assert [str(w.message) for w in recwarn] == [
         f"--ckpt_path {folder / 'last.ckpt'}: resuming from its step 4; a later save of it was killed before it was "
         "put in place (.last.ckpt.staging, removed at the next save)"
