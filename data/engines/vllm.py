@@ -66,16 +66,8 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # < 2**30, leaving room for + i
 
 
-def checkpoint_config(model_path: str):
-    """The transformers config of the checkpoint."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path)
-
-
-def checkpoint_dtype(model_path: str) -> str:
-    """The dtype the checkpoint's config declares (vLLM's own ``auto`` would turn float32 into bfloat16 on CPU)."""
-    config = checkpoint_config(model_path)
+def checkpoint_dtype(config) -> str:
+    """The dtype a checkpoint's transformers config declares (vLLM's ``auto`` turns float32 into bfloat16 on CPU)."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     return str(dtype).removeprefix("torch.")
 
@@ -209,14 +201,16 @@ class VLLMEngine(RolloutEngine):
 
     def llm_options(self, model_path: str) -> dict[str, Any]:
         """The ``vllm.LLM`` arguments of this engine's options (also used by ``scripts/bench/bench_rollout.py``)."""
-        opts, cuda = self, torch.cuda.is_available()
+        from transformers import AutoConfig
+
+        opts, cuda, config = self, torch.cuda.is_available(), AutoConfig.from_pretrained(model_path)
         if not cuda:  # do not let vLLM pin this process's threads
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kv_bytes = opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes or cuda else 64 << 20
         kwargs = {
             "model": model_path,
             "tokenizer": model_path,
-            "dtype": checkpoint_dtype(model_path) if opts.dtype_option == "auto" else opts.dtype_option,
+            "dtype": checkpoint_dtype(config) if opts.dtype_option == "auto" else opts.dtype_option,
             "seed": opts.seed,
             "gpu_memory_utilization": opts.gpu_memory_utilization,
             "kv_cache_memory_bytes": kv_bytes,
@@ -233,7 +227,7 @@ class VLLMEngine(RolloutEngine):
             # generator rewound; CPU generators cannot rewind ("does not use offset"), so on CPU every prompt is
             # prefilled whole (long prompts, e.g. MATH's two-shot ones, would otherwise kill the engine).
             kwargs["enable_chunked_prefill"] = False
-            longest = opts.max_model_len or checkpoint_config(model_path).max_position_embeddings
+            longest = opts.max_model_len or config.max_position_embeddings
             kwargs["max_num_batched_tokens"] = longest
         return kwargs
 

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
-from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.base import RolloutEngine, Sample, SamplingParams, rollout_group
 from lit_gmc.data.tasks.base import Prompt
 from lit_gmc.distributed import POLL_S, Interrupted, SendAgain, in_thread, wait_for
 from lit_gmc.errors import UserError
@@ -309,15 +309,17 @@ class VLLMServers(RolloutEngine):
         evaluation, a test) never disturbs the group of the learner that owns the servers: a server's workers
         belong to one group at a time, the last one opened.
         """
+        from transformers import AutoConfig
+
         from lit_gmc.actor import resolve_actor_path, tokenizer_at
-        from lit_gmc.data.engines.vllm import checkpoint_config, checkpoint_dtype
+        from lit_gmc.data.engines.vllm import checkpoint_dtype
 
         self.model_path = resolve_actor_path(actor, "--model.actor")
         self.tokenizer = tokenizer_at(self.model_path, actor)
         if self.tokenizer.eos_token_id is None:
             raise ValueError("VLLMServers needs a tokenizer with eos_token_id")
-        config = checkpoint_config(self.model_path)
-        dtype = checkpoint_dtype(self.model_path) if self.dtype_option == "auto" else self.dtype_option
+        config = AutoConfig.from_pretrained(self.model_path)
+        dtype = checkpoint_dtype(config) if self.dtype_option == "auto" else self.dtype_option
         self.dtype: torch.dtype = getattr(torch, dtype)
         cuda = torch.cuda.is_available()
         self.backend_name = self.backend or ("nccl" if cuda else "gloo")
@@ -532,7 +534,7 @@ class VLLMServers(RolloutEngine):
 
     def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams) -> list[RolloutGroup]:
         """``n`` responses to each prompt, one :class:`RolloutGroup` per prompt, stamped with ``version``."""
-        from lit_gmc.data.engines.vllm import request_seed, rollout_group  # vLLM's side: imported when it samples
+        from lit_gmc.data.engines.vllm import request_seed  # vLLM's side: imported when it samples
 
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -671,8 +673,6 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
 
 def samples_of(answer: dict):
     """The completions of one ``/v1/completions`` answer as :class:`~lit_gmc.data.engines.vllm.Sample` s, in order."""
-    from lit_gmc.data.engines.vllm import Sample
-
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     return [
         Sample([int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]],
