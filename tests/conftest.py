@@ -24,6 +24,30 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+# Under pytest-xdist (the README's test command: ``-n 2 --dist loadgroup``) each module is one unit of work, so its
+# module fixtures (servers, reference runs) are made once; test_resume.py and test_scale_out.py share one unit for
+# the session's single-process references. Units start longest first (measured, docs/testing.md), so no worker is
+# left with a long one at the end; a stale order only costs time.
+SHARED_UNITS = {"test_scale_out": "test_resume"}
+LONGEST_FIRST = ("test_resume", "test_vllm_serve", "test_qwen3_rehearsal", "test_scale_out_recipe", "test_e2e",
+                 "test_cli", "test_export", "test_sweep", "test_sigterm_waits", "test_gpu_check")  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(SHARED_UNITS.get(module, module)))
+
+    def rank(item) -> int:
+        unit = SHARED_UNITS.get(item.path.stem, item.path.stem)
+        return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order is kept
+
+
 VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")  # before any test module (and TRL) is imported
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from docstring_parser import parse as parse_docstring
-from run_helpers import fit, main_error_line
+from run_helpers import fit, main_error_line, main_stderr
 
 import lit_gmc.__main__ as entry
 import lit_gmc.rules
@@ -98,12 +98,9 @@ def test_short_forms_pick_a_schedule_with_its_own_options(args, class_path, init
     assert schedule.class_path == class_path and schedule.init_args.as_dict() == init_args
 
 
-def test_an_option_of_another_schedule_cannot_be_given():
-    args = ["--data.schedule", "VirtualClock", "--data.schedule.delay", "32"]
-    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)  # fmt: skip
-    assert out.returncode == 2
-    assert "--data.schedule.delay: VirtualClock has no option delay (its options: c_gen, lam," in out.stderr
+def test_an_option_of_another_schedule_cannot_be_given(monkeypatch):
+    stderr = main_stderr(monkeypatch, "fit", "--data.schedule", "VirtualClock", "--data.schedule.delay", "32")
+    assert "--data.schedule.delay: VirtualClock has no option delay (its options: c_gen, lam," in stderr
 
 
 def test_closed_choices_are_checked_by_the_parser():
@@ -114,16 +111,14 @@ def test_closed_choices_are_checked_by_the_parser():
     )
 
 
-def test_every_bad_option_is_named_in_one_message():
+def test_every_bad_option_is_named_in_one_message(monkeypatch):
     args = ["--model.correction.cap", "0", "--data.group_size", "1", "--data.schedule.delay", "-1",
             "--data.batch_prompts", "0", "--data.engine.batch_rows", "0", "--data.task.max_operand", "0"]  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", *args], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)  # fmt: skip
-    assert out.returncode == 2
-    assert out.stderr.count("invalid options") == 1
+    stderr = main_stderr(monkeypatch, "fit", *args)
+    assert stderr.count("invalid options") == 1
     for flag in ("--model.correction.cap=0.0", "--data.group_size=1", "--data.schedule.delay=-1",
                  "--data.batch_prompts=0", "--data.engine.batch_rows=0", "--data.task.max_operand=0"):  # fmt: skip
-        assert flag in out.stderr, flag
+        assert flag in stderr, flag
 
 
 def test_the_embedded_default_applies_without_a_config():
@@ -201,13 +196,11 @@ def test_every_documented_command_line_parses(argv, tmp_path, monkeypatch):
     assert config.data.total_updates == config.trainer.max_steps
 
 
-def test_corollary1_cap_schedule_is_refused_for_rules_other_than_gmc():
-    out = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--model.correction", "TIC",
-                          "--model.correction.cap_schedule", "corollary1"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)  # fmt: skip
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "--model.correction.cap_schedule: TIC has no option cap_schedule" in out.stderr
-    assert "group-mass cap" in out.stderr
+def test_corollary1_cap_schedule_is_refused_for_rules_other_than_gmc(monkeypatch):
+    args = ("--model.correction", "TIC", "--model.correction.cap_schedule", "corollary1")
+    stderr = main_stderr(monkeypatch, "fit", *args)
+    assert "--model.correction.cap_schedule: TIC has no option cap_schedule" in stderr
+    assert "group-mass cap" in stderr
     gmc = parse("--model.correction.cap_schedule", "corollary1").model.correction
     assert (gmc.class_path, gmc.init_args.cap_schedule) == ("lit_gmc.rules.GMC", "corollary1")
 

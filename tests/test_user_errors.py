@@ -20,7 +20,7 @@ import datasets
 import lightning.pytorch as pl
 import pytest
 import torch
-from run_helpers import parse_problems
+from run_helpers import main_error_line, main_stderr, parse_problems
 
 from lit_gmc.actor import build_char_tokenizer, load_actor
 from lit_gmc.callbacks.evaluation import Evaluation
@@ -52,9 +52,9 @@ def fit_args(tmp_path: Path, *args: str) -> list[str]:
 # --- the actor ---------------------------------------------------------------------------------------------------
 
 
-def test_a_missing_actor_folder_is_one_line_naming_the_option(tmp_path):
+def test_a_missing_actor_folder_is_one_line_naming_the_option(tmp_path, monkeypatch):
     missing = tmp_path / "no_such_model"
-    last = one_line_error(lit_gmc(*fit_args(tmp_path, "--model.actor", str(missing))))
+    last = main_error_line(monkeypatch, *fit_args(tmp_path, "--model.actor", str(missing)))
     assert last.startswith(f"lit_gmc: error: --model.actor {missing}: no such model folder")
 
 
@@ -136,10 +136,11 @@ def test_evaluation_names_its_options_for_data_errors(tmp_path, monkeypatch):
         missing.setup(trainer, None, "fit")
 
 
-def test_an_unknown_benchmark_in_a_fit_is_one_line(tmp_path):
-    done = lit_gmc(*fit_args(tmp_path, "--trainer.callbacks+=lit_gmc.callbacks.evaluation.Evaluation",
-                             "--trainer.callbacks.benchmarks=[nope]"))  # fmt: skip
-    assert one_line_error(done).startswith("lit_gmc: error: Evaluation: unknown benchmarks ['nope'] in benchmarks")
+def test_an_unknown_benchmark_in_a_fit_is_one_line(tmp_path, monkeypatch):
+    args = fit_args(tmp_path, "--trainer.callbacks+=lit_gmc.callbacks.evaluation.Evaluation",
+                    "--trainer.callbacks.benchmarks=[nope]")  # fmt: skip
+    last = main_error_line(monkeypatch, *args)
+    assert last.startswith("lit_gmc: error: Evaluation: unknown benchmarks ['nope'] in benchmarks")
 
 
 # --- scripts/evaluate.py ----------------------------------------------------------------------------------------
@@ -185,19 +186,20 @@ def test_evaluate_script_errors_are_one_line_with_status_2(tmp_path, capsys, mon
     assert last.startswith("evaluate.py: error: benchmark 'amc23': Couldn't reach") and "--data-dir" in last
 
 
-def test_a_callback_s_bad_option_is_one_message_though_jsonargparse_wraps_it(tmp_path):
-    done = lit_gmc(*fit_args(tmp_path, "--trainer.callbacks+=lit_gmc.callbacks.evaluation.Evaluation",
-                             "--trainer.callbacks.max_problems", "0"))  # fmt: skip
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "lit_gmc: error: invalid Evaluation options:\n  max_problems=0 must be >= 1" in done.stderr
+def test_a_callback_s_bad_option_is_one_message_though_jsonargparse_wraps_it(tmp_path, monkeypatch):
+    args = fit_args(tmp_path, "--trainer.callbacks+=lit_gmc.callbacks.evaluation.Evaluation",
+                    "--trainer.callbacks.max_problems", "0")  # fmt: skip
+    stderr = main_stderr(monkeypatch, *args)
+    assert "lit_gmc: error: invalid Evaluation options:\n  max_problems=0 must be >= 1" in stderr
 
 
-def test_the_math_task_s_tokenizer_option_is_named(tmp_path):
+def test_the_math_task_s_tokenizer_option_is_named(tmp_path, monkeypatch):
     missing = str(tmp_path / "no_tokenizer")
     write_rows(tmp_path / "train.jsonl", [{"problem": f"{i}+1", "solution": f"\\boxed{{{i + 1}}}"} for i in range(4)])
-    done = lit_gmc(*fit_args(tmp_path, "--data.task", "Math", "--data.task.path", str(tmp_path / "train.jsonl"),
-                             "--data.task.tokenizer", missing))  # fmt: skip
-    assert one_line_error(done).startswith(f"lit_gmc: error: --data.task.tokenizer {missing}: no such model folder")
+    args = fit_args(tmp_path, "--data.task", "Math", "--data.task.path", str(tmp_path / "train.jsonl"),
+                    "--data.task.tokenizer", missing)  # fmt: skip
+    last = main_error_line(monkeypatch, *args)
+    assert last.startswith(f"lit_gmc: error: --data.task.tokenizer {missing}: no such model folder")
 
 
 def test_unknown_components_list_the_known_classes_with_every_other_bad_option():
