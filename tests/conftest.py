@@ -37,15 +37,13 @@ LONGEST_FIRST = ("test_resume", "test_vllm_serve", "test_qwen3_rehearsal", "test
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
+    def unit_of(item) -> str:
+        return SHARED_UNITS.get(item.path.stem, item.path.stem)
+
     for item in items:
-        module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(SHARED_UNITS.get(module, module)))
-
-    def rank(item) -> int:
-        unit = SHARED_UNITS.get(item.path.stem, item.path.stem)
-        return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: each module's own order is kept
+        item.add_marker(pytest.mark.xdist_group(unit_of(item)))
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(unit_of(item), len(LONGEST_FIRST)))  # stable: each module's order is kept
 
 
 VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")  # before any test module (and TRL) is imported

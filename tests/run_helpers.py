@@ -328,7 +328,7 @@ def main_stderr(monkeypatch, *argv: str) -> str:
     monkeypatch.setattr("sys.stderr", stderr)
     with pytest.raises(SystemExit) as stop:
         main()
-    assert stop.value.code == 2, stderr.getvalue()[-3000:]
+    assert stop.value.code == 2 and "Traceback" not in stderr.getvalue(), stderr.getvalue()[-3000:]
     return stderr.getvalue()
 
 

@@ -122,8 +122,6 @@ def test_benchmarks_default_to_the_hub_and_sources_override(tmp_path):
             callback.teardown(trainer, None, "fit")
 
 
-
-
 def exact_match(completions, answer):
     """A user's scorer, named by import path in the tests below: the stripped completion equals the answer."""
     return [float(c.strip() == answer) for c in completions]
