@@ -1,14 +1,9 @@
 """Delay accounting: the delay distribution of every update and the paper's averaged delay moments.
 
 Reusable in any Lightning project whose ``training_step`` returns the batch's per-trajectory delays ``tau = n - s``
-(``outputs["delays"]``). Logs once per optimizer update, at its index ``trainer.global_step - 1``:
-
-* ``delay/histogram``: the batch's delays (TensorBoard only);
-* ``delay/tau_bar_2``, ``delay/tau_bar_4``, ``delay/running_mean``: the running averaged moments (eq. 11);
-* ``delay/predicted_mean``: when the batch's ``info`` carries the virtual clock's ``delay_per_length``, that
-  factor times the running mean completion length, the steady-state delay the clock predicts.
-
-Under gradient accumulation the batches of one update are pooled. The full contract is in ``docs/callbacks.md``.
+(``outputs["delays"]``). Logs once per optimizer update, at ``trainer.global_step - 1``, ``delay/tau_bar_2``,
+``delay/tau_bar_4``, ``delay/running_mean`` (eq. 11), ``delay/predicted_mean`` (the virtual clock's steady state)
+and ``delay/histogram``; the full contract is in ``docs/callbacks.md``.
 """
 
 from __future__ import annotations

@@ -13,10 +13,9 @@ key is optional; rows are group-major (row ``b * G + i`` is response ``i`` of gr
 - ``schedule/draining`` ``()``: 1 once the delay queue drains
 - ``mismatch/abs_mean``, ``mismatch/abs_max`` ``()``: mean and max ``|l - log pi_theta|`` on delay-0 rows' tokens
 
-The cross-rule shares (groups GMC would rescale, trajectories TIC would drop) use the callback's own thresholds,
-so runs of different rules are compared at one value. Scalars go to every logger under ``{prefix}/...`` at the
-update just taken (``global_step - 1``), not through ``pl_module.log``, which would re-log a one-off value later;
-histograms and the centred rolling mean of the entropy go to TensorBoard only.
+The cross-rule shares (GMC's rescaled groups, TIC's dropped trajectories) use the callback's own thresholds. Scalars
+go to every logger under ``{prefix}/...`` at ``global_step - 1`` (``pl_module.log`` would re-log a one-off value);
+histograms and the entropy's centred rolling mean go to TensorBoard only.
 """
 
 from __future__ import annotations
@@ -74,8 +73,8 @@ def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
 def pearson(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     """Pearson correlation of two ``(N,)`` tensors over the pairs where both are finite, and whether it is defined.
 
-    Undefined (``False``, 0-D bool) when fewer than two pairs remain or either side is constant over them. The
-    non-finite pairs are masked out in float64 (``torch.corrcoef`` takes them in; indexing waits for the device).
+    Undefined (``False``, 0-D bool) when fewer than two pairs remain or either side is constant over them;
+    computed masked in float64 (``torch.corrcoef`` takes non-finite pairs in; indexing waits for the device).
     """
     if x.shape != y.shape or x.dim() != 1:
         raise ValueError(f"pearson: x {tuple(x.shape)} and y {tuple(y.shape)} must be the same (N,)")
@@ -109,8 +108,7 @@ class CentredRollingMean:
 
     A centre's window spans ``window // 2`` values before it and ``window - 1 - window // 2`` after, cut at the
     series' ends. Push ``(step, value)`` in order; a centre's mean is emitted once its window is complete, the last
-    ones on :meth:`flush`; the state is checkpointable. The libraries' centred windows need the whole series, and a
-    training run has only its past.
+    ones on :meth:`flush`; checkpointable. (The libraries' centred windows need the whole series.)
     """
 
     def __init__(self, window: int) -> None:
@@ -263,8 +261,7 @@ def on_policy_gap(
 def merged(outputs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     """The stats of an update's accumulated batches as one dict.
 
-    Row, group and token keys are concatenated, ``schedule/draining`` comes from the last batch. Only keys every
-    batch has are kept, so rows stay aligned.
+    Row, group and token keys concatenated (only those every batch has), ``schedule/draining`` from the last batch.
     """
     keys = set.intersection(*(set(o) for o in outputs))
     out = {key: torch.cat([o[key].detach() for o in outputs]) for key in (*ROW_KEYS, *GROUP_KEYS, "entropy")

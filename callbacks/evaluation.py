@@ -1,11 +1,9 @@
 r"""Evaluate the policy on benchmarks during training: greedy accuracy, avg@n and pass@k, to TensorBoard.
 
 The callback generates through any :class:`GenerationEngine` (by default the DataModule's ``rollout_engine``) once
-the step's weights are published, whatever its place in the callback list, and records the policy version it
-evaluated. A benchmark is one of the paper's six math benchmarks by name (two-shot prompt, last ``\boxed{}``
-scored), or a :class:`BenchmarkFile` of the user's own; ``lit_gmc.data`` is imported only in ``setup``, so importing
-this module stays light. :func:`evaluate_suites` is the engine-agnostic core, shared with ``scripts/evaluate.py``;
-the full contract is in ``docs/callbacks.md``.
+the step's weights are published, and records the policy version it evaluated. A benchmark is one of the paper's six
+by name, or a :class:`BenchmarkFile` of the user's own; ``lit_gmc.data`` is imported only in ``setup``.
+:func:`evaluate_suites` is the core shared with ``scripts/evaluate.py``; the contract is in ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
@@ -102,9 +100,8 @@ def file_suite(
 ) -> Suite:
     """The suite of a :class:`BenchmarkFile`: its rows, prompts from its template, its scorer.
 
-    ``default_scorer()`` gives the scorer of a file without one; ``samples`` overrides the file's own; ``ks`` above
-    it are left out; ``tokenizer`` counts prompt tokens for ``max_prompt_tokens``. Raises a ``UserError`` naming
-    the benchmark for a bad template or scorer, or a missing or malformed file.
+    ``default_scorer()`` scores a file without one; ``samples`` overrides the file's own (``ks`` above it left out);
+    ``tokenizer`` counts prompt tokens. A ``UserError`` names the benchmark for a bad template, scorer or file.
     """
     from lit_gmc.data.tasks.base import Prompt, truncate_prompt
     from lit_gmc.data.tasks.benchmarks import CompletionScorer, load_file_items, prompt_builder, resolve_callable
@@ -173,9 +170,8 @@ def evaluate_suites(
 
     Each suite is scored by its own scorer, else by ``scorer``; with ``samples``, every completion is appended to it
     (:func:`correctness`), labelled with its ``benchmark`` and ``mode``. Returns ``{"benchmarks": {name: {"title",
-    "problems", "n", "greedy", "avg@n", "pass@k"...}}, "macro": {"greedy", "avg@n"}}`` of this process's problems:
-    not synced, since each process that evaluates scores every problem (under DDP rank 0 alone evaluates, and a sync
-    would wait for ranks that never compute).
+    "problems", "n", "greedy", "avg@n", "pass@k"...}}, "macro": {"greedy", "avg@n"}}`` of this process's problems,
+    not synced: an evaluating process scores every problem (under DDP rank 0 alone evaluates).
     """
     from lit_gmc.data.engines.base import SamplingParams
 

@@ -50,8 +50,6 @@ def _check_correctness(correct: Tensor, dims: int, n: int | None = None) -> Tens
 class AvgAtN(MeanMetric):
     """avg@n: mean correctness of ``n`` samples per problem, averaged over problems. ``update(correct (P, n))``.
 
-    torchmetrics' ``MeanMetric`` of the per-problem means, in float64, with the input checked.
-
     Args:
         n: Samples per problem.
     """
@@ -82,9 +80,7 @@ class GreedyAccuracy(AvgAtN):
 
 
 class PassAtK(Metric):
-    """Unbiased pass@k (:func:`pass_at_k`) for several ``k``, averaged over problems. ``update(correct (P, n))``.
-
-    ``compute()`` returns ``{"pass@k": value}`` for each ``k``.
+    """Unbiased pass@k (:func:`pass_at_k`) averaged over problems: ``update(correct (P, n))``, ``{"pass@k": value}``.
 
     Args:
         n: Samples per problem.
@@ -120,8 +116,7 @@ class PassAtK(Metric):
 class MacroAverage(Metric):
     """Unweighted mean over benchmarks of each benchmark's mean per-problem score.
 
-    ``update(name, scores (P,))`` with per-problem scores of one benchmark (greedy correctness, or each
-    problem's mean over samples for avg@n); benchmarks never updated are left out of the mean.
+    ``update(name, scores (P,))`` with one benchmark's per-problem scores; benchmarks never updated are left out.
 
     Args:
         names: The benchmarks, in a fixed order.

@@ -46,8 +46,7 @@ def progress_line(step: int, total: int, means: dict[str, float], last: dict[str
 class ProgressLines(ProgressBar):
     """Prints one line every ``every_n_updates`` optimizer updates, and at the last, to ``stream`` (stdout).
 
-    Reward and delay are averaged over the updates since the previous line, as is the rate the time left is
-    estimated at. Global rank 0 only.
+    Reward, delay and the rate behind the time left are averaged since the previous line. Global rank 0 only.
 
     Args:
         every_n_updates: Updates between lines; ``None``: about 1% of ``max_steps`` (at least 1).

@@ -58,10 +58,9 @@ def samples_table(
 class Samples(Callback):
     """Logs ``rows`` samples of an update as text (tag ``samples``) at the first update and every ``every_n_steps``.
 
-    Needs a training batch with the :class:`SampledBatch` fields and a tokenizer with ``batch_decode``. Writes to
-    every logger whose ``experiment`` has ``add_text``, on global rank 0 only, at the update's index
-    ``n = global_step - 1``. Prompts are decoded with their special tokens (as the model sees them), completions
-    without.
+    Needs a batch with the :class:`SampledBatch` fields and a tokenizer with ``batch_decode``. Writes to every
+    logger with ``experiment.add_text``, on global rank 0, at ``n = global_step - 1``; prompts keep their special
+    tokens (as the model sees them), completions do not.
 
     Args:
         every_n_steps: Updates between two logged tables (the first update is always logged).

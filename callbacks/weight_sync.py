@@ -1,8 +1,7 @@
 """Publish the policy's weights and version to a rollout engine after optimizer steps.
 
-Reusable in any Lightning project: it needs only an object satisfying :class:`WeightSink`, passed in
-or exposed by the DataModule as ``weight_sink``, and the name under which the module holds its policy
-(``prefix``). The full contract is in ``docs/callbacks.md``.
+Reusable in any Lightning project: it needs only a :class:`WeightSink`, passed in or the DataModule's
+``weight_sink``, and the name under which the module holds its policy (``prefix``); see ``docs/callbacks.md``.
 """
 
 from __future__ import annotations
@@ -32,15 +31,12 @@ class WeightSink(Protocol):
 class WeightSync(pl.Callback):
     """After every ``every_n_steps`` optimizer steps, stream ``named_parameters()`` to the sink.
 
-    The version published is ``trainer.global_step``, so delays ``tau = n - s`` mean the same on every
-    rank. The current weights are also published when training starts (after a checkpoint restore), so a
-    resumed run samples from the restored policy, not from the initial one.
+    The version published is ``trainer.global_step``, so delays ``tau = n - s`` mean the same on every rank. The
+    weights are also published when training starts, so a resumed run samples from the restored policy.
 
-    Under several processes the sink lives on global rank 0 (the rollout engine's owner). DDP replicas are
-    identical, so rank 0 sends its own; FSDP2 parameters are gathered one at a time (``DTensor.full_tensor``,
-    a collective every rank joins) and streamed to the sink on rank 0, so no rank ever holds a second full
-    copy of the model. A sink that returns ``True`` (some of its receivers were lost mid-stream, the others
-    wait for a whole update) is streamed the same weights again, by every rank.
+    Under several processes the sink lives on global rank 0: DDP replicas are identical, so rank 0 sends its own;
+    FSDP2 parameters are gathered one at a time (a collective every rank joins) and streamed, so no rank holds a
+    second full copy. A sink that returns ``True`` (receivers lost mid-stream) is streamed the same weights again.
 
     Args:
         sink: Where to send weights; ``None`` takes ``trainer.datamodule.weight_sink`` at setup.

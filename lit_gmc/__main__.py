@@ -1,10 +1,8 @@
 """``lit-gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit-gmc export``: checkpoint to HF folder.
 
-The command is read here before anything heavy is imported, so that ``lit-gmc --help`` and ``lit-gmc export
---help`` answer at once; ``fit`` imports Lightning (most of its start-up). A user's mistake
-(:class:`~lit_gmc.errors.UserError`: an option, a config, data file or checkpoint) prints one line and exits with
-status 2; a run stopped by SIGTERM, once it has saved ``last.ckpt``, exits with 143 (128 + SIGTERM, as if the
-signal had ended it); anything else is a bug and keeps its traceback.
+The command is read before anything heavy is imported, so that ``--help`` answers at once. A user's mistake
+(:class:`~lit_gmc.errors.UserError`) prints one line and exits with status 2; a run stopped by SIGTERM, once it has
+saved ``last.ckpt``, exits with 143 (128 + SIGTERM); anything else is a bug and keeps its traceback.
 """
 
 import argparse
@@ -88,9 +86,8 @@ def main() -> None:
 def user_error_in(err: BaseException) -> UserError | None:
     """``err`` if it is a :class:`UserError`, else the first one it was raised from, else None (a bug).
 
-    jsonargparse wraps the error of a component's constructor (a callback's bad option) in its own. Lightning's
-    ``MisconfigurationException`` (an accelerator this machine lacks, a strategy that needs another) is a user's
-    error too.
+    jsonargparse wraps the error of a component's constructor in its own. Lightning's ``MisconfigurationException``
+    (an accelerator this machine lacks, a strategy that needs another) is a user's error too.
     """
     seen: set[int] = set()
     while err is not None and id(err) not in seen:

@@ -79,9 +79,8 @@ def context_problem(
 ) -> str | None:
     """Why the longest of these ``(id, text)`` prompts plus ``max_new_tokens`` exceeds ``actor``'s context, or None.
 
-    Counted with ``tokenizer`` (the engine's; ``None`` loads the actor's own), without special tokens as the engines
-    encode prompts, against the config's ``max_position_embeddings`` (none: not checked). ``max_prompt_tokens`` is
-    only named in the message: the DataModule calls this on the prompts it has cut, the CLI on uncut ones.
+    Counted with ``tokenizer`` (``None``: the actor's own) without special tokens, as the engines encode prompts,
+    against ``max_position_embeddings`` (if any). ``max_prompt_tokens`` is only named in the message.
     """
     from transformers import AutoConfig
 
@@ -200,9 +199,8 @@ def library_versions() -> dict[str, str]:
 def tiny_actor_fingerprint(recipe: TinyRecipe) -> dict[str, Any]:
     """Everything that determines the cached tiny actor, as JSON-able data; its hash names the cache folder.
 
-    Besides the recipe's numbers, the source text of :func:`tiny_actor_builders` and the :func:`library_versions`,
-    so that a cache written by other warm-start code or another torch is never reused silently; stale folders are
-    left in the cache for the user to delete.
+    The recipe's numbers, the source of :func:`tiny_actor_builders` and the :func:`library_versions`, so that a
+    cache from other code or another torch is never reused silently (stale folders are left for the user to delete).
     """
     return {
         "recipe": asdict(recipe),
@@ -270,8 +268,7 @@ def resolve_actor_path(actor: str, option: str = "actor") -> str:
 def check_local_actor(actor: str, option: str) -> None:
     """Refuse a local ``actor`` that transformers could not load, with a message saying what it is instead.
 
-    Without this, a missing folder is looked up on the hub (a message about repo ids or a network failure), a
-    checkpoint file gives an invalid-JSON message and an empty folder one about slow tokenizers.
+    Else transformers looks a missing folder up on the hub, and words a checkpoint file or an empty folder badly.
     """
     path = Path(actor).expanduser()
     hint = "pass 'tiny', a hub name or a folder written by save_pretrained"
@@ -346,8 +343,7 @@ def tokenizer_at(path: str, actor: str, option: str = "--model.actor"):
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lit_gmc.actor [ACTOR]``: print the folder ``ACTOR`` loads from (default ``tiny``).
 
-    For ``tiny``, the cache folder, built first if need be: what ``vllm serve --model`` needs to serve the same
-    weights as ``--model.actor tiny``.
+    For ``tiny``, the cache folder (built if need be), for ``vllm serve --model`` to serve ``--model.actor tiny``.
     """
     import sys
 

@@ -120,9 +120,8 @@ class RolloutBatch:
     def shards(self, world: int) -> list[RolloutBatch]:
         """One share per rank: ``B / world`` whole groups each, balanced by tokens, each padded to its own width.
 
-        Groups go to ranks by :func:`balanced_partition` of :meth:`group_tokens`. A share keeps the whole update's
-        loss normalisers (the shares' losses sum to the batch's) and its groups' positions in the update, by which
-        gathered statistics are put back in order; its columns are :meth:`trimmed`. One rank: the batch itself.
+        Groups go to ranks by :func:`balanced_partition` of :meth:`group_tokens`; a share keeps the update's loss
+        normalisers and its groups' positions in it, and is :meth:`trimmed`. One rank: the batch itself.
         """
         if world == 1:
             return [self]
@@ -197,9 +196,8 @@ class RolloutBatch:
 def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
     """Indices ``0..len(weights)-1`` split into ``parts`` lists of equal length, the largest sum made small.
 
-    Items in decreasing weight (ties by index) each go to the lightest part with room (ties to the lowest), kept only
-    where its largest part is lighter than that of contiguous blocks, so it is never worse than contiguous sharding
-    and is exactly it when nothing is gained. Each list is sorted.
+    Greedy: items in decreasing weight (ties by index) go to the lightest part with room (ties to the lowest), kept
+    only where its largest part is lighter than contiguous blocks' (else those blocks). Each list is sorted.
     """
     if parts < 1 or len(weights) % parts:
         raise ValueError(f"{len(weights)} items cannot be split into {parts} parts of equal size")

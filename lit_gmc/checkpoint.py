@@ -29,9 +29,8 @@ from lit_gmc.errors import UserError, first_line
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temporary file in the target folder, fsync it, ``os.replace`` it into place, fsync the folder.
 
-    Lightning's ``TorchCheckpointIO`` writes the target file in place, through fsspec, so a process killed mid-save
-    leaves a truncated checkpoint where the previous good one was; no Lightning plugin stages and renames. The
-    rename itself is an entry of the folder: until the folder is synced, a power cut may undo it.
+    Lightning's ``TorchCheckpointIO`` writes in place, so a kill mid-save leaves a truncated checkpoint where the
+    previous good one was. The rename is an entry of the folder: until the folder is synced, a power cut may undo it.
     """
 
     @override
@@ -64,10 +63,7 @@ def fsync_path(path: Path) -> None:
 
 
 def write_error(path: Path, err: BaseException) -> UserError:
-    """One line for a checkpoint that could not be written (a full disk, most often), naming its path.
-
-    The path is a file, or a folder of shards.
-    """
+    """One line for a checkpoint (a file or a folder of shards) that could not be written, naming its path."""
     free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else None
     cause = first_line(err) if not isinstance(err, OSError) or not err.strerror else err.strerror
     space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
@@ -88,16 +84,13 @@ class RunCheckpoint(ModelCheckpoint):
     Lightning's own writes ``last.ckpt`` at the end only if it never wrote one, so with ``every_n_train_steps`` the
     final updates of a run would be in no checkpoint; ``at_steps`` gives the paper's checkpoints (200/300/400/800).
 
-    Every logger is saved (TensorBoard's writer flushed) before any checkpoint is written: a run resumes after its
-    checkpoint's step, so records still queued for a slow disk would be lost for good. Lightning runs checkpoint
-    callbacks after every other callback, so an update's records are all logged by then.
+    Every logger is flushed before a checkpoint is written: a run resumes after its checkpoint's step, so records
+    still queued would be lost for good (checkpoint callbacks run after every other callback).
 
     On SIGTERM (a preemption) Lightning finishes the update in progress; this callback then writes ``last.ckpt``,
-    whatever ``save_last`` says, and ``python -m lit_gmc`` exits with 143. With several processes Lightning's own
-    handler broadcasts from inside the signal handler, wherever each rank is, which desynchronises collectives: this
-    one only notes the signal, all ranks vote after every update (:func:`~lit_gmc.distributed.any_rank`) and stop
-    after the same one. Each hook first waits for rank 0 on the rank-0 channel, since rank 0 may still be busy in
-    other callbacks (an evaluation, publishing weights) when the others reach their next collective.
+    whatever ``save_last`` says, and ``python -m lit_gmc`` exits with 143. Lightning's own handler broadcasts from
+    inside the signal handler, which desynchronises ranks: this one only notes the signal, and all ranks vote after
+    every update (:func:`~lit_gmc.distributed.any_rank`), after waiting for a busy rank 0 on the rank-0 channel.
 
     Args:
         at_steps: Optimizer steps at which to save, besides every ``every_n_train_steps``; ``null``: none.

@@ -41,8 +41,8 @@ from lit_gmc.optim import (
     unresolved_problems,
 )
 from lit_gmc.options import component_problems
-from lit_gmc.parse_errors import DATA_COMPONENTS, PARSE_ERRORS, given_value, parse_error_message, without_option
-from lit_gmc.resume import check_resume, checkpoint_file, read_checkpoint, run_settings
+from lit_gmc.parse_errors import PARSE_ERRORS, given_value, parse_error_message, without_option
+from lit_gmc.resume import DATA_COMPONENTS, check_resume, checkpoint_file, read_checkpoint, run_settings
 from lit_gmc.run_folder import VERSION_KEY, RunFolder, default_run_name, refuse_earlier_checkpoints
 
 OPTION_OWNERS = {"--model": GMCModule, "--data": RolloutDataModule}  # whose may_change_on_resume a resume asks
@@ -193,8 +193,8 @@ class GMCCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         """Parse as LightningCLI does, then :meth:`check_config`, before the seed is set or anything is built.
 
-        jsonargparse stops at the first bad value: each one given on the command line is noted and dropped and the
-        rest parsed again, so that all are reported in one message. Any other parse error is one :class:`UserError`.
+        jsonargparse stops at the first bad value: each on the command line is noted and dropped and the rest parsed
+        again, so all are reported in one message. Any other parse error is one :class:`UserError`.
         """
         argv = None if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
         noted: list[str] = []
@@ -248,18 +248,16 @@ class GMCCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """Nothing: :func:`~lit_gmc.resume.check_resume` has checked the checkpoint (:meth:`check_config`).
 
-        Lightning's own reads the checkpoint's model options over the command line's (for a file path, not for
-        ``last``), so a resume with changed settings would silently run with the old ones, and it fails with a
-        bare ``KeyError`` or ``AttributeError`` on a file that is not a checkpoint.
+        Lightning's own puts the checkpoint's model options over the command line's (a changed resume would run
+        silently with the old ones) and fails with a bare ``KeyError`` on a file that is not a checkpoint.
         """
 
     @override
     def instantiate_classes(self) -> None:
         """Build the model, data and trainer once :func:`preflight_problems` finds nothing missing on this machine.
 
-        Then, before a long start, refuse training prompts the tiny actor cannot encode or that leave no room for
-        ``--data.max_new_tokens`` in the actor's context, for a task whose prompts need no tokenizer (the DataModule
-        checks every task's prompts again once the engine's tokenizer has set it up).
+        Then, before a long start, refuse training prompts (of a task that needs no tokenizer) that the tiny actor
+        cannot encode or that leave no room for ``--data.max_new_tokens``; the DataModule checks them all again.
         """
         problems = preflight_problems(self.subcommand_config())
         if len(problems) == 1:
@@ -330,9 +328,8 @@ def derive_options(config: Namespace) -> None:
     """Fill in, in place, what a run derives from its other options (fit's rules, which export follows too).
 
     A ``null`` logger name becomes ``<task>_<model>`` (:func:`~lit_gmc.run_folder.default_run_name`); without
-    ``--checkpoint.dirpath`` the checkpoints go beside the logger; ``CosineWithWarmup`` gets ``--trainer.max_steps``
-    as its ``total_steps`` unless it is set (a link by hand: jsonargparse cannot link into the options of a class
-    chosen on the command line).
+    ``--checkpoint.dirpath`` the checkpoints go beside the logger; an unset ``CosineWithWarmup.total_steps`` gets
+    ``--trainer.max_steps`` (jsonargparse cannot link into a class chosen on the command line).
     """
     logger, task, scheduler = logger_options(config), config.data.task, config.get("lr_scheduler")
     if logger is not None and "name" in logger and logger.name is None:
@@ -355,9 +352,8 @@ def default_progress_bar(terminal: bool, every_n_updates: int | None) -> Progres
 class UpdateProgressBar(RichProgressBar):
     """Lightning's rich progress bar, its training bar titled ``updates`` rather than by epoch.
 
-    A run is one epoch that ends at ``max_steps``, so the stock bar reads ``Epoch 0/-2``. It replaces the trainer's
-    default bar; a progress bar given in ``trainer.callbacks`` is kept. ``refresh_rate``: redraw every that many
-    updates.
+    A run is one epoch that ends at ``max_steps``, so the stock bar reads ``Epoch 0/-2``. A progress bar given in
+    ``trainer.callbacks`` is kept instead. ``refresh_rate``: redraw every that many updates.
     """
 
     @override

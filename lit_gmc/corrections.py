@@ -121,8 +121,7 @@ class Correction:
     def option_problems(cls, aggregation: str | None = None, **options: Any) -> list[str]:
         """Every problem with the options, one line each, named like the init args.
 
-        The threshold must be finite and > 0, and the aggregation one of :data:`AGGREGATIONS`; a rule with further
-        options extends this.
+        A finite threshold > 0 and one of :data:`AGGREGATIONS`; a rule with further options extends this.
         """
         threshold = options.get(cls.threshold_option) if cls.threshold_option is not None else None
         problems = [] if threshold is None else positive_problem(str(cls.threshold_option), threshold)

@@ -24,8 +24,7 @@ class RunningDelayMoments:
     def update(self, delays: Tensor) -> None:
         """Add one update whose trajectories have ``delays`` (any shape, non-negative).
 
-        Python floats with correctly rounded sums (``math.fsum``): a few dozen delays cost less this way than in three
-        torch reductions, and integer delays whose fourth powers sum below 2**53 give exact means.
+        Correctly rounded Python sums (``math.fsum``; docs/performance.md): integer delays give exact means.
         """
         values = [float(v) for v in delays.detach().flatten().tolist()]
         if not values:

@@ -1,31 +1,26 @@
 """The few collectives the learner needs across data-parallel ranks, as functions that are identities on one process.
 
 Rank 0 owns the rollout engine and the delay schedule; every other rank receives its share of each update's groups
-(:func:`scatter_from_first`) and takes part in the reductions of per-step statistics (:func:`gather_rows`,
-:func:`gather_ragged`, :func:`sum_across`), which act on the default process group that Lightning's DDP and the
-FSDP2 strategy (:class:`lit_gmc.strategies.FSDP2Strategy`, one data-parallel mesh dimension) span.
+(:func:`scatter_from_first`) and joins the reductions of per-step statistics (:func:`gather_rows`,
+:func:`gather_ragged`, :func:`sum_across`) on the default process group (Lightning's DDP, or
+:class:`lit_gmc.strategies.FSDP2Strategy`'s one data-parallel mesh dimension).
 
-The rank-0 channel: global rank 0 alone generates (a FIFO fill, a ``Sync`` round), evaluates and waits for
-rollout workers, for as long as that takes, while the other ranks can only wait. Waiting inside a collective of
-the default group would trip its timeout (NCCL's 30 minutes, or ``--trainer.strategy.timeout``), which is there to
-catch hung GPUs and should stay short. So every place where the other ranks wait for rank 0 is a collective on a
-second, gloo (CPU) group whose timeout is hours (:func:`open_rank0_channel`, ``--data.rank0_wait_hours``): the
-shares themselves (:func:`scatter_from_first`), and :func:`wait_for_rank0` / :func:`any_rank` at the points where
-rank 0 may still be busy when the others reach their next collective (``lit_gmc.checkpoint.RunCheckpoint``, the
-DataModule's ``setup`` and ``state_dict``, ``WeightSync``).
+The rank-0 channel: rank 0 alone generates, evaluates and waits for rollout workers, for as long as that takes.
+Waiting inside a collective of the default group would trip its timeout (NCCL's 30 minutes, or
+``--trainer.strategy.timeout``), kept short to catch hung GPUs, so every wait for rank 0 is a collective on a second,
+gloo group whose timeout is hours (:func:`open_rank0_channel`, ``--data.rank0_wait_hours``): the shares, and
+:func:`wait_for_rank0` / :func:`any_rank` where rank 0 may still be busy (``RunCheckpoint``, the DataModule's
+``setup`` and ``state_dict``, ``WeightSync``).
 
-SIGTERM while a rank waits (:func:`note_sigterm`, :func:`sigterm_requested`): a rank blocked inside a gloo
-collective runs no Python signal handler until the collective returns, so every wait on the channel
-(:func:`scatter_from_first`, :func:`wait_for_rank0`, :func:`any_rank`) is an asynchronous collective polled from
-Python every :data:`POLL_S`; a rank that notes SIGTERM there, or anywhere, publishes it in the default group's store,
-where rank 0's own waits (a reward, a request to a server, a weight sync) see it. Rank 0 then answers every rank with
-:data:`STOP` instead of their shares, or the ranks vote after the update (``lit_gmc.checkpoint.RunCheckpoint``), so
-all ranks stop at the same update boundary. A rank that fails with a :class:`~lit_gmc.errors.UserError` publishes
-its message there too (:func:`publish_error`), and each polled wait of the other ranks raises the same error, so
-every rank ends in the same line rather than in gloo's "Connection closed by peer".
+SIGTERM: a rank blocked in a gloo collective runs no Python signal handler, so every wait on the channel is an
+asynchronous collective polled every :data:`POLL_S`. A rank that notes SIGTERM (:func:`note_sigterm`) publishes it
+in the default group's store, where rank 0's own waits see it (:func:`sigterm_requested`); rank 0 then answers
+:data:`STOP` instead of shares, or the ranks vote after the update (``RunCheckpoint``), so all stop at the same
+update. A rank's :class:`~lit_gmc.errors.UserError` is published the same way (:func:`publish_error`) and raised by
+the others' polled waits, so every rank ends in that line rather than in gloo's "Connection closed by peer".
 
-Written on ``torch.distributed`` directly: Lightning's strategy exposes ``broadcast`` and ``all_gather`` but no
-scatter of Python objects and no gather of tensors whose first dimension differs between ranks.
+Written on ``torch.distributed`` directly: Lightning's strategy has no scatter of Python objects and no gather of
+tensors whose first dimension differs between ranks.
 """
 
 from __future__ import annotations
@@ -150,10 +145,9 @@ def sigterm_requested() -> bool:
 def publish_error(message: str) -> None:
     """Give ``message`` (a :class:`~lit_gmc.errors.UserError`'s, as this rank fails) to every other rank's polled wait.
 
-    The first rank to publish is the one whose message every rank prints. It then joins the barrier the others wait
-    in on the channel (for up to :data:`ERROR_READ_S`), so that theirs completes, they read the message and leave
-    with no collective pending: a process that exits with one pending may abort in gloo's threads when its peer
-    goes, and its status is then not 2. Nothing on one process.
+    The first rank to publish is the one whose message every rank prints. It then joins the others' barrier on the
+    channel (for up to :data:`ERROR_READ_S`), so that they leave with no collective pending (one pending may abort
+    in gloo's threads, and the status is then not 2). Nothing on one process.
     """
     if rank_and_world()[1] == 1 or _error["read"] or _error["own"]:  # the error this rank raises is another's
         return
@@ -186,10 +180,9 @@ def raise_published_error() -> None:
 def wait_polled(barrier: Any) -> None:
     """Wait for an asynchronous barrier of the channel, then raise another rank's published error, if any.
 
-    Meanwhile this rank's SIGTERM is published (:func:`sigterm_requested`) every :data:`POLL_S`: a rank blocked in
-    gloo runs no signal handler, and polling an event sees the signal at no delay once the barrier completes. A rank
-    that failed joins the barrier after publishing its error (:func:`publish_error`); one that went away without
-    joining fails the barrier, which then raises its error, if it published one, rather than gloo's.
+    Meanwhile this rank's SIGTERM is published (:func:`sigterm_requested`) every :data:`POLL_S`, since a rank
+    blocked in gloo runs no signal handler. A rank that went away without joining fails the barrier, which then
+    raises its published error (:func:`publish_error`), if any, rather than gloo's.
     """
     done = threading.Event()
     barrier.get_future().add_done_callback(lambda _: done.set())

@@ -1,9 +1,8 @@
 """``lit-gmc export``: a training checkpoint becomes a transformers ``save_pretrained`` folder.
 
-The folder holds the policy after the checkpoint's last update, its config and tokenizer, so
-``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load it directly. The checkpoint is a file, or the folder
-of shards FSDP2 writes with ``save_distributed_checkpoint: true`` (read on one process, without the optimizer
-states). The folder is written to a temporary sibling and moved into place, so an interrupted export leaves nothing.
+The folder holds the policy after the checkpoint's last update, its config and tokenizer, for
+``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM``. The checkpoint is a file or a folder of FSDP2 shards
+(read on one process, without optimizer states); the folder is written aside and moved into place.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ def actor_state(checkpoint: dict, ckpt_path: str | Path = "the checkpoint") -> d
 def check_fit(shapes: dict[str, tuple[int, ...]], model: torch.nn.Module, ckpt_path: Path, actor: str) -> None:
     """Raise a :class:`UserError` unless ``shapes`` (the checkpoint's actor tensors) are exactly ``model``'s.
 
-    What ``load_state_dict(strict=True)`` checks, in one line: an actor other than the one trained (the wrong
-    ``--actor``, a changed local folder).
+    What ``load_state_dict(strict=True)`` checks, in one line: an actor other than the one trained.
     """
     wanted = {name: tuple(value.shape) for name, value in model.state_dict().items()}
     problems = [f"{name} is {list(shapes[name])}, the actor's {list(shape)}" for name, shape in wanted.items()
@@ -88,9 +86,8 @@ def load_checkpoint_actor(
 ) -> tuple[torch.nn.Module, Any, str]:
     """``(model, tokenizer, actor)``: the actor of a lit_gmc checkpoint (a file or a sharded folder), its weights set.
 
-    ``actor`` (set by the flag ``option``, named in messages) is loaded with the weights; ``None`` takes the
-    checkpoint's own. Raises a :class:`UserError` for a path that is no lit_gmc checkpoint, an actor that cannot
-    be loaded, or weights that do not fit it.
+    ``actor`` (set by the flag ``option``, named in messages; ``None``: the checkpoint's own) is loaded with the
+    weights. A :class:`UserError` for a path that is no lit_gmc checkpoint, or an actor that fails or does not fit.
     """
     from lit_gmc.actor import load_actor
     from lit_gmc.resume import SHARDED_METADATA, read_checkpoint
@@ -157,8 +154,7 @@ def current_umask() -> int:
 def resolved_checkpoint(ckpt_path: str, fit_args: list[str]) -> str:
     """``--ckpt_path`` as given, or for ``last`` the newest ``last*.ckpt`` where ``lit-gmc fit FIT_ARGS`` writes.
 
-    ``fit_args`` (the run's ``--config`` files and options) are read by fit's own parser
-    (:class:`~lit_gmc.cli.FitConfig`).
+    ``fit_args`` (the run's ``--config`` files and options) are read by :class:`~lit_gmc.cli.FitConfig`.
     """
     if ckpt_path != "last":
         return ckpt_path

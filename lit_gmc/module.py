@@ -112,8 +112,7 @@ class GMCModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Under FSDP2 (:class:`~lit_gmc.strategies.FSDP2Strategy`), shard the actor over the data-parallel mesh.
 
-        Each decoder layer (the classes the model lists in ``_no_split_modules``) is one ``fully_shard`` unit; the
-        embeddings, final norm and head form the root unit. Under any other strategy the actor stays whole.
+        Each decoder layer (``_no_split_modules``) is one ``fully_shard`` unit, the rest the root unit.
         """
         mesh = self.device_mesh
         if mesh is None or any(isinstance(p, DTensor) for p in self.actor.parameters()):
@@ -151,10 +150,9 @@ class GMCModule(pl.LightningModule):
     def trajectory_grad_norms_sq(self, part: RolloutBatch) -> Tensor:
         """Exact ``||grad_theta log pi_theta(y_i | x_i)||^2`` of every row of ``part``: one backward per trajectory.
 
-        Each row is cut to its real tokens and run alone, through ``torch.autograd.grad``, which leaves the step's
-        ``.grad`` alone. (Per-layer "ghost" norms would be cheaper but need hooks for every layer type, which an
-        arbitrary transformers model does not guarantee.) Under FSDP each rank holds gradient shards: the squared
-        norms would need a sum over the shard group. Returns ``(n,)`` detached, in float32 or a wider actor dtype.
+        Each row, cut to its real tokens, runs alone through ``torch.autograd.grad`` (the step's ``.grad`` is left
+        alone; "ghost" norms would need hooks for every layer type). Under FSDP the squared norms would need a sum
+        over the shard group. Returns ``(n,)`` detached, in float32 or a wider actor dtype.
         """
         params = [p for p in self.actor.parameters() if p.requires_grad]
         acc = torch.promote_types(params[0].dtype, torch.float32)  # bf16 gradients are squared and summed in fp32
@@ -269,8 +267,7 @@ class GMCModule(pl.LightningModule):
     ) -> dict[str, Tensor]:
         """Detached per-row/per-group tensors of this step's whole update (the Diagnostics callback's input).
 
-        ``batch`` is this rank's share; per-row and per-token values are gathered from every rank in group order,
-        so the statistics are those of the whole batch, as in a single-process run. ``delays`` is ``(n,)``.
+        ``batch`` is this rank's share (``delays`` its ``(n,)``); values are gathered from every rank in group order.
         """
         rows = {
             "log_rho": torch.cat([o.log_rho for o in outputs]),
@@ -350,7 +347,7 @@ class GMCModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """The ``--optimizer`` over the actor's trainable parameters, and the ``--lr_scheduler`` (stepped per update).
 
-        Built here, after :meth:`configure_model`, so that under FSDP2 the optimizer holds the sharded parameters.
+        After :meth:`configure_model`, so that under FSDP2 the optimizer holds the sharded parameters.
         """
         params = [p for p in self.actor.parameters() if p.requires_grad]
         optimizer = build_optimizer(self.optimizer_spec, params)

@@ -70,9 +70,8 @@ def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
 def tied_groups(grouped: Tensor) -> Tensor:
     """``(B, 1)``: True where every entry of a ``(B, G)`` group equals its first exactly (NaN never ties).
 
-    A tied group's advantages are 0 in exact arithmetic, but its rounded mean generally is not ``r``
-    (``(0.7 + 0.7 + 0.7) / 3 != 0.7`` in float32), and an all-tied batch would still move the weights; the
-    advantage functions set tied groups to 0.
+    A tied group's rounded mean generally is not ``r`` (``(0.7 + 0.7 + 0.7) / 3 != 0.7`` in float32), so the
+    advantage functions set tied groups to 0, lest an all-tied batch move the weights.
     """
     return (grouped == grouped[:, :1]).all(-1, keepdim=True)  # (B, 1)
 
@@ -280,8 +279,7 @@ def aggregate_loss(
 def ess_step_factor(log_w: Tensor) -> Tensor:
     """VCPO's step-size factor ``sqrt(min(1, ESS / n))`` with ``ESS = (sum w)^2 / sum w^2`` over all ``n`` rows.
 
-    ``w`` is the unclipped sequence ratio, taken in log space (float64). Returns a 0-dim tensor in
-    ``[1/sqrt(n), 1]``.
+    ``w`` is the unclipped sequence ratio, taken in log space (float64). Returns a 0-dim tensor in ``[1/sqrt(n), 1]``.
     """
     lw = log_w.detach().double().reshape(-1)  # (n,)
     if lw.numel() == 0:

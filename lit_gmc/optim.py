@@ -120,9 +120,8 @@ def refused_options(cls: type, init_args: dict[str, Any], flag: str) -> list[str
 def unresolved_problems(spec: object, flag: str, given_class: Callable[[str], str | None]) -> list[str]:
     """A problem unless a ``--optimizer``/``--lr_scheduler`` kept as a plain dict is a class of a missing package.
 
-    jsonargparse keeps such an option as a dict for a package not installed here (refused when the optimizer is
-    built), or for a bad option value (``--optimizer.lr nan``), where it drops the class: then the class is the one
-    the command line gives (``given_class``), if any.
+    jsonargparse keeps such an option as a dict for a package not installed here, or for a bad option value
+    (``--optimizer.lr nan``), where it drops the class: the command line's (``given_class``) is named then.
     """
     if not isinstance(spec, dict):
         return []

@@ -21,8 +21,7 @@ def check_options(owner: str, problems: list[str]) -> None:
 def component_problems(cls: type, init_args: Mapping[str, Any], flag: str) -> list[str]:
     """Problems of a component of class ``cls`` built with ``init_args``, each prefixed with its ``flag``.
 
-    Init args that are not given take the constructor's defaults; a class without ``option_problems`` (e.g. a
-    user's task) has nothing to report here and validates itself when it is built.
+    Init args not given take the constructor's defaults; a class without ``option_problems`` reports nothing here.
     """
     check = getattr(cls, "option_problems", None)
     if check is None:

@@ -1,11 +1,9 @@
 """Parse errors of the command line, each turned into one line that names its option (and file), for ``lit_gmc.cli``.
 
-jsonargparse stops at the first bad option and words its messages for its own types; these readers recognise the
-messages about one option (a value of the wrong type, a class that does not resolve, an option of another class, a
-reward that does not import), so that the CLI can note it, drop it from the command line and parse the rest again.
-The messages are read as text because that is all jsonargparse gives: its ``ArgumentError`` has no ``argument_name``
-and the exceptions it chains carry neither the flag nor the value. ``pyproject.toml`` pins jsonargparse to the release
-CI tests, and ``tests/test_cli.py`` checks each message shape read here against it.
+jsonargparse stops at the first bad option; these readers recognise its messages about one option (a wrong type, a
+class that does not resolve, an option of another class, a reward that does not import), so that the CLI can note
+it, drop it and parse the rest again. They read text because jsonargparse's errors carry neither flag nor value;
+``pyproject.toml`` pins jsonargparse, and ``tests/test_cli.py`` checks each message shape read here.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ import yaml
 
 import lit_gmc.rules
 from lit_gmc.data.datamodule import RolloutDataModule
-
-DATA_COMPONENTS = ("schedule", "engine", "task")
+from lit_gmc.resume import DATA_COMPONENTS
 
 
 def bad_value(message: str) -> tuple[str, str] | None:

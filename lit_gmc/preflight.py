@@ -92,8 +92,7 @@ def accelerator_problems(accelerator: Any, devices: Any) -> list[str]:
 def engine_problems(engine: type, init_args: dict[str, Any], actor: str) -> list[str]:
     """The engine's own ``preflight_problems(actor)`` when it has one (servers, devices), else vLLM's package.
 
-    An engine with its own check knows what it needs (one that talks to running ``vllm serve`` processes does not
-    need vLLM in this environment); one without is taken to need vLLM here when its module is named after it.
+    One without its own check is taken to need vLLM here when its module is named after it.
     """
     name = engine.__name__
     if getattr(engine, "preflight_problems", None) is not None:

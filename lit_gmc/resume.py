@@ -1,11 +1,9 @@
 """Resuming checks its checkpoint: a file that is no lit_gmc checkpoint, or one saved under other settings, is refused.
 
-Every checkpoint records its run's options (:class:`~lit_gmc.run_folder.RunFolder`): ``--model.*``, ``--data.*``,
-``--optimizer``, ``--lr_scheduler`` (each component's class and options) and ``--trainer.precision``. A resume
-refuses every difference, by flag with both values, except in what sets how long, fast, where or how visibly a run
-goes: options outside those groups, options linked to another (:data:`LINKED`), and those the owning class lists in
-its ``may_change_on_resume``. Checkpoints from before the settings were recorded are compared on their saved
-hyperparameters.
+Every checkpoint records its run's ``--model.*``, ``--data.*``, ``--optimizer``, ``--lr_scheduler`` (class and
+options) and ``--trainer.precision`` (:class:`~lit_gmc.run_folder.RunFolder`). A resume refuses every difference, by
+flag with both values, except options linked to another (:data:`LINKED`) and those the owning class lists in its
+``may_change_on_resume``. Older checkpoints are compared on their saved hyperparameters.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ from lit_gmc.errors import UserError, UserFileNotFoundError
 from lit_gmc.run_folder import SETTINGS_KEY
 from lit_gmc.strategies import SHARDED_METADATA, STAGING, beside, restore_set_aside
 
-COMPONENTS = ("task", "engine", "schedule")
+DATA_COMPONENTS = ("schedule", "engine", "task")  # the DataModule's components, in the order errors name them
 # Options built from class_path + init_args: compared class first, then option by option.
-COMPONENT_FLAGS = ("--model.correction", "--optimizer", "--lr_scheduler", *(f"--data.{key}" for key in COMPONENTS))
+COMPONENT_FLAGS = ("--model.correction", "--optimizer", "--lr_scheduler", *(f"--data.{key}" for key in DATA_COMPONENTS))
 # Options linked from another option by the CLI (compared there), or set from --trainer.max_steps (which may change).
 LINKED = frozenset({
     "--lr_scheduler.total_steps",  # CosineWithWarmup's, filled in from --trainer.max_steps
@@ -121,11 +119,9 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], owners: M
 def checkpoint_file(ckpt_path: str, dirpath: str | None) -> Path | None:
     """The local file ``--ckpt_path`` names, or None where Lightning resolves it (or finds none).
 
-    ``last`` is the newest ``last*.ckpt`` in the checkpoint folder, as Lightning picks it, and None before the
-    first checkpoint (the run then starts fresh). A folder is a sharded FSDP2 checkpoint
-    (``save_distributed_checkpoint``); one that a save killed mid-swap left aside is put back first
-    (:func:`~lit_gmc.strategies.restore_set_aside`, which says so). Other keywords (``best``, ``hpc``) and URLs are
-    left to Lightning.
+    ``last`` is the newest ``last*.ckpt`` in the checkpoint folder, as Lightning picks it (None before the first:
+    the run starts fresh). A sharded checkpoint that a save killed mid-swap left aside is put back first
+    (:func:`~lit_gmc.strategies.restore_set_aside`). Other keywords (``best``, ``hpc``) and URLs are Lightning's.
     """
     if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
         return None
@@ -170,8 +166,7 @@ def check_resume(ckpt_path: str, dirpath: str | None, settings: Mapping[str, Any
 
     ``settings`` (this run's :func:`run_settings`) must agree with the checkpoint's in every option both record,
     except those that may change (:func:`may_change`; ``owners``: the classes of ``--model`` and ``--data``). Warns
-    when a save over the checkpoint was killed before it was put in place, so that the run goes back further than
-    its last save.
+    when a later save over the checkpoint was killed before it was put in place.
     """
     path = checkpoint_file(ckpt_path, dirpath)
     if path is None:

@@ -1,9 +1,8 @@
 """A run's folders: one run at a time writes a checkpoint folder, and a resumed run goes on in its logger version.
 
-Checkpoints live in one folder per logger name (so that ``--ckpt_path last`` finds them from a new process), while
-each start of the logger opens a new ``version_N``. So a new run into a folder that holds checkpoints is refused,
-and a running one holds a lock, lest two runs mix their checkpoints; and every checkpoint records its logger
-version, which a resume reopens, lest TensorBoard show it as a second run.
+Checkpoints live in one folder per logger name (so that ``--ckpt_path last`` finds them), while each logger start
+opens a new ``version_N``: so a new run into a folder with checkpoints is refused and a running one holds a lock,
+and every checkpoint records its logger version, which a resume reopens (else TensorBoard shows a second run).
 """
 
 from __future__ import annotations
@@ -52,9 +51,9 @@ def lock_folder(folder: str | Path) -> TextIO:
 class RunFolder(pl.Callback):
     """Holds the checkpoint folder's lock while fitting (global rank 0); records what a resume reads back.
 
-    ``fit`` takes the lock (:meth:`hold`) before the logger writes its version folder, so that a refused run writes
-    nothing; a run that fails before its first update removes the version folder it created. Every checkpoint gets
-    the logger version and the run's settings (compared by :func:`lit_gmc.resume.check_resume`).
+    ``fit`` takes the lock (:meth:`hold`) before the logger writes, so a refused run writes nothing, and one that
+    fails before its first update removes its version folder. Every checkpoint gets the logger version and the run's
+    settings (:func:`lit_gmc.resume.check_resume`).
 
     Args:
         checkpoint_dir: The run's checkpoint folder (``None``: no lock).

@@ -1,11 +1,9 @@
 """``FSDP2Strategy``: Lightning's ``ModelParallelStrategy`` as pure data-parallel FSDP2, under the name ``fsdp2``.
 
-The learner shards only over data-parallel ranks, so every process is one data-parallel rank (Lightning's default
-is tensor parallelism within a node). By default it writes one full checkpoint file (atomically, through
-``AtomicCheckpointIO``); ``save_distributed_checkpoint: true`` gives a folder of per-rank shards, for models whose
-full state does not fit in rank 0's CPU memory. A folder cannot be renamed over another, so its save is staged
-and swapped (:func:`put_in_place`), and a resume puts back what a save killed mid-swap left aside
-(:func:`restore_set_aside`): a checkpoint's name always holds a complete folder, the new one or the previous one.
+Every process is one data-parallel rank (Lightning's default is tensor parallelism within a node). It writes one
+full checkpoint file (atomically, through ``AtomicCheckpointIO``), or with ``save_distributed_checkpoint: true`` a
+folder of per-rank shards, staged and swapped (:func:`put_in_place`, :func:`restore_set_aside`) so that a
+checkpoint's name always holds a complete folder, the new one or the previous one.
 """
 
 from __future__ import annotations
@@ -59,8 +57,8 @@ def put_in_place(staging: Path, path: Path) -> None:
 def restore_set_aside(folder: Path) -> list[str]:
     """Put back every checkpoint (``*.ckpt``) of ``folder`` left aside by a save killed between two renames.
 
-    The renames are :func:`put_in_place`'s. Several processes of one run may resume at once: a rename another one
-    made first is not an error. Returns what was put back, one line each.
+    The renames are :func:`put_in_place`'s; one that another process of the run made first is not an error.
+    Returns what was put back, one line each.
     """
     restored = []
     for aside in sorted(folder.glob(f".*.ckpt{SET_ASIDE}")):
@@ -101,9 +99,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """A folder of shards: Lightning's layout written into a staging folder, then put in place by rank 0.
 
-        Lightning writes the shards (torch.distributed.checkpoint, which fsyncs them) and then rank 0's
-        ``meta.pt``, all into the folder it is given: given the target, a kill mid-save leaves a mix of new and old
-        files under the checkpoint's name.
+        Given the target itself, a kill mid-save would leave a mix of new and old files under the checkpoint's name.
         """
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -130,10 +126,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """A folder is renamed away before it is deleted, so that a kill never leaves part of it under its name.
-
-        Half-deleted in place, it would also be the newest folder, the one ``--ckpt_path last`` picks.
-        """
+        """A folder is renamed away before it is deleted, so that a kill never leaves part of it under its name."""
         path = Path(filepath)
         if self.is_global_zero and path.is_dir():
             removing = beside(path, REMOVING)

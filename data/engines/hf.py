@@ -1,9 +1,8 @@
 """The transformers engine (DESIGN.md §5): ``generate`` on a behaviour copy of the actor, in this process or its own.
 
-``HFEngine(layout="dedicated")`` runs it in a spawned process (:class:`EngineProcess`), so generation and learning
-do not share one interpreter lock. Its parameters live in shared memory, where the learner's process writes
-published weights in place; writes, generations and version stamps share one lock, so each batch carries the version
-it was generated with.
+``HFEngine(layout="dedicated")`` runs it in a spawned process (:class:`EngineProcess`), off the learner's GIL, on
+parameters in shared memory that the learner writes in place; writes, generations and version stamps share one
+lock, so each batch carries the version it was generated with.
 """
 
 from __future__ import annotations
@@ -52,9 +51,8 @@ def response_lengths(tokens: Tensor, eos_id: int) -> tuple[list[int], list[bool]
 def sampled_logprobs(scores: Sequence[Tensor], tokens: Tensor, chunk_bytes: int = SCORE_CHUNK_BYTES) -> Tensor:
     """Log-probs ``(rows, L)`` of the sampled ``tokens`` under ``generate``'s ``scores`` (one ``(rows, V)`` a position).
 
-    The scores are the logits the sampler drew from (temperature and top-p applied). Positions are reduced as many
-    at a time as fit in ``chunk_bytes`` of float32 logits: transformers' ``compute_transition_scores`` stacks the
-    whole ``(rows, L, V)``, gigabytes at real vocabulary sizes. Every chunk size gives the same values.
+    The scores are the logits the sampler drew from (temperature and top-p applied), reduced in chunks of
+    ``chunk_bytes`` of float32 (transformers' ``compute_transition_scores`` stacks the whole ``(rows, L, V)``).
     """
     rows, vocab = scores[0].shape
     per_chunk = max(1, chunk_bytes // (4 * rows * vocab))

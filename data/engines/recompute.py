@@ -21,17 +21,13 @@ from lit_gmc.logprobs import response_logprobs
 class BehaviorRecompute:
     """An engine whose behaviour log-probs are rescored with the learner's numerics on a copy of the same weights.
 
-    The wrapped engine samples; :func:`~lit_gmc.logprobs.response_logprobs` on a copy kept at the engine's version
-    rescores the tokens as the learner will: one call's groups collated together, in passes of
-    ``micro_batch_groups``, under the learner's ``forward_context``, dtype, device and LM-head chunking, at the
-    sampling temperature without top-p. So a batch the learner sees whole with the same weights has a ratio of
-    exactly 1. :meth:`take_gap` gives mean and max ``|l_engine - l_trainer|`` since its last call. The copy is a
-    second model on the learner's device (``scripts/memory_estimate.py --recompute-behavior-logprobs``).
-
-    ``engine`` samples; ``model`` is the copy (a transformers causal LM), scored with padding ``pad_id`` as
-    ``trainer``'s learner scores: its precision's forward context, its device, and its module's ``dtype``,
-    ``logit_chunk_tokens`` and ``micro_batch_groups`` (``None``: a call's groups in one pass). No trainer: the
-    model as it is, in one pass.
+    ``engine`` samples; ``model``, a copy kept at the engine's version, rescores the tokens
+    (:func:`~lit_gmc.logprobs.response_logprobs`, padding ``pad_id``) as ``trainer``'s learner will: its precision's
+    forward context, its device, its module's ``dtype``, ``logit_chunk_tokens`` and ``micro_batch_groups`` (``None``:
+    a call's groups in one pass), at the sampling temperature without top-p; no trainer: the model as it is, in one
+    pass. So a batch the learner sees whole with the same weights has a ratio of exactly 1. :meth:`take_gap` gives
+    mean and max ``|l_engine - l_trainer|`` since its last call. The copy is a second model on the learner's device
+    (``scripts/memory_estimate.py --recompute-behavior-logprobs``).
     """
 
     def __init__(self, engine: RolloutEngine, model: torch.nn.Module, pad_id: int, trainer: Any = None) -> None:

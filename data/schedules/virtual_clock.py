@@ -16,7 +16,7 @@ from lit_gmc.options import check_options
 def launch_bound(lam: float, c_gen: float, max_new_tokens: int | str) -> str | int:
     """Most launches one refill can need: ``ceil(lam * T / c_gen) + 1`` (the formula, for a symbolic ``T``).
 
-    A batch launched at ``t`` is visible by ``t + lam * T``, and each launch advances the clock by ``c_gen``.
+    A batch launched at ``t`` is visible by ``t + lam * T``; each launch advances the clock by ``c_gen``.
     """
     if isinstance(max_new_tokens, str):
         return f"ceil({lam:g} * {max_new_tokens} / {c_gen:g}) + 1"

@@ -74,8 +74,7 @@ def reference_text(value: str | float | int | Sequence[str]) -> str:
     """A benchmark's reference answer as one LaTeX string the verifier can parse.
 
     Strings lose their ``$`` delimiters; integral floats become integers (AMC23 stores ``27.0``); a list
-    (OlympiadBench's ``final_answer``, several entries when ``is_multiple_answer``) is joined with
-    ``", "``, which the verifier reads as a set, so the order of the answers does not matter. Anything else, or
+    (OlympiadBench's ``final_answer``) is joined with ``", "``, which the verifier reads as a set. Anything else, or
     a non-finite number, is a ``ValueError``.
     """
     if isinstance(value, bool):

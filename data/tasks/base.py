@@ -34,10 +34,9 @@ class Task(Protocol):
     """What the DataModule needs from a task (``data.task``): any class with these three methods works.
 
     No subclassing or registration; its init args become ``--data.task.<name>`` options. Once the engine has started,
-    the DataModule (on rank 0, once per run) calls the optional ``setup(tokenizer)``, checks every prompt of
-    :meth:`train_prompts` (one line naming the task and the prompt), applies ``--data.chat_template`` and
-    ``--data.max_prompt_tokens``, and checks the longest against the actor's context. ``score`` is the reward
-    unless ``--data.reward`` names another; ``test_prompts`` is for evaluation only.
+    the DataModule (rank 0, once) calls the optional ``setup(tokenizer)``, checks every training prompt, applies
+    ``--data.chat_template`` and ``--data.max_prompt_tokens``, and checks the longest against the actor's context.
+    ``score`` is the reward unless ``--data.reward`` names another; ``test_prompts`` is for evaluation only.
     """
 
     def train_prompts(self) -> Sequence[Prompt]:
@@ -135,10 +134,9 @@ class PromptStream:
 def truncate_prompt(text: str, tokenizer: Any, max_tokens: int) -> str:
     """``text`` with its beginning cut so that it tokenizes to at most ``max_tokens`` tokens.
 
-    The end holds the question and the cue the model continues from. Only a tail window is tokenized (8 characters
-    per token, widened as needed), so a long prompt is cut cheaply; the cut falls on a token boundary, then moves
-    right until the kept text re-tokenizes within budget (BPE merges can differ at the new start). Needs a fast
-    tokenizer (character offsets).
+    The end holds the question and the cue the model continues from. Only a tail window is tokenized (widened as
+    needed); the cut falls on a token boundary, then moves right until the kept text re-tokenizes within budget
+    (BPE merges can differ at the new start). Needs a fast tokenizer (character offsets).
     """
     if max_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_tokens}")

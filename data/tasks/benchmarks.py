@@ -1,10 +1,8 @@
 r"""The paper's six evaluation benchmarks, each read into ``(problem, reference answer)`` pairs.
 
-Each benchmark reads from its hub source (a :class:`~lit_gmc.data.tasks.math_data.DataSource`) unless a local copy
-(``../shared/data``, see its ``SOURCES.md``), a data folder or another hub name overrides it (:func:`load_benchmark`).
-Every row is checked, and its reference becomes one LaTeX string for the verifier (:data:`REFERENCE_FIELDS`). A
-user's own benchmark file is read by :func:`load_file_items`, with its own prompt (:func:`prompt_builder`) and
-reward (:class:`CompletionScorer`).
+Each reads from its hub source unless a local copy (``../shared/data``, see its ``SOURCES.md``), a data folder or
+another hub name overrides it (:func:`load_benchmark`); every row is checked, its reference made one LaTeX string
+(:data:`REFERENCE_FIELDS`). A user's file is read by :func:`load_file_items` (:func:`prompt_builder`, scorers).
 """
 
 from __future__ import annotations

@@ -72,11 +72,9 @@ class Reward:
     ``Reward(function, name)(completions, answer, prompt, prompt_id)`` returns one float per completion, for the
     task's ``score`` or ``--data.reward`` in either form of :func:`trl_keywords` (TRL's: :meth:`trl_arguments`).
 
-    ``None`` is TRL's "skip this example": the completion gets the mean of its group's other rewards, so no
-    advantage (0.0 for a group of ``None``), with one warning. A wrong count or type, a NaN or infinite reward, a
-    call that raises or one past ``timeout_s`` is one :class:`UserError` naming the function (non-finite rewards
-    would make every gradient non-finite). Rewards outside ``[0, 1]`` are used, with one warning. The call runs in
-    a daemon thread, so a hanging reward stops the run.
+    ``None`` is TRL's "skip this example": the mean of its group's other rewards (0.0 for a group of ``None``), with
+    one warning. A wrong count or type, a non-finite reward, a call that raises or one past ``timeout_s`` is one
+    :class:`UserError` naming the function. Rewards outside ``[0, 1]`` are used, with one warning.
 
     ``name`` is how messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``); ``chat``
     says prompts are in the chat template; ``timeout_s`` ``None`` is no limit, the call then made in the caller's

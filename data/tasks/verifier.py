@@ -1,11 +1,9 @@
 r"""The paper's reward: 1 if the last complete ``\boxed{}`` of a response is equivalent to the reference, else 0.
 
-Equivalence is math-verify's, checked in a worker process's main thread (where its ``signal.alarm`` works) while
-the caller waits with a hard deadline, since no alarm stops a long C-level computation (sympy expanding
-``10^{10^{10}}``): a late worker is killed and scores 0, as does any error or crash on model output. Only workers
-that cannot start raise (scoring every response 0 would be worse). The pool is pebble's ``ProcessPool``, which
-kills and replaces a worker past its task's timeout (``concurrent.futures`` can only wait for it); its workers are
-spawned, never forked from a process full of threads, and import only the standard library and math-verify.
+Equivalence is math-verify's, checked in a worker process's main thread (where its ``signal.alarm`` works) under a
+hard deadline, since no alarm stops a long C-level computation (sympy expanding ``10^{10^{10}}``): a late worker is
+killed and scores 0, as does any error on model output; only workers that cannot start raise. pebble's
+``ProcessPool`` kills and replaces a late worker (``concurrent.futures`` can only wait); its workers are spawned.
 """
 
 from __future__ import annotations

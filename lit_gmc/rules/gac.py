@@ -87,8 +87,7 @@ class GAC(GRPO):
     def state_dict(self) -> dict[str, Any]:
         """The previous raw gradient (a list aligned with the parameters, or None before the first step).
 
-        Sharded gradients are gathered whole, one at a time, and kept (on CPU) by rank 0 only, the rank that writes
-        checkpoints; every rank must call this (each gather is a collective).
+        Sharded gradients are gathered one at a time (every rank must call this) and kept on CPU by rank 0 only.
         """
         previous = self.previous
         if previous is not None and any(isinstance(t, DTensor) for t in previous):
