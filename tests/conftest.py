@@ -24,26 +24,18 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-# Under pytest-xdist (the README's test command: ``-n 2 --dist loadgroup``) each module is one unit of work, so its
-# module fixtures (servers, reference runs) are made once; test_resume.py and test_scale_out.py share one unit for
-# the session's single-process references. Units start longest first (measured, docs/testing.md), so no worker is
-# left with a long one at the end; a stale order only costs time.
-SHARED_UNITS = {"test_scale_out": "test_resume"}
+# Under pytest-xdist (the README's test command: ``-n 2 --dist loadfile --no-loadscope-reorder``) each test file is
+# one unit of work, so its module fixtures (servers, reference runs) are made once, on one worker. Files start longest
+# first (measured, docs/testing.md), so no worker is left with a long one at the end; a stale order only costs time.
+# (``--dist loadgroup`` cannot group here: pytest 9.2 ignores the node id suffix pytest-xdist 3.8 gives a group.)
 LONGEST_FIRST = ("test_resume", "test_vllm_serve", "test_qwen3_rehearsal", "test_scale_out_recipe", "test_e2e",
                  "test_cli", "test_export", "test_sweep", "test_sigterm_waits", "test_gpu_check")  # fmt: skip
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    def unit_of(item) -> str:
-        return SHARED_UNITS.get(item.path.stem, item.path.stem)
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(unit_of(item)))
-    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(unit_of(item), len(LONGEST_FIRST)))  # stable: each module's order is kept
+    if config.pluginmanager.hasplugin("xdist"):
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.stem, len(LONGEST_FIRST)))  # stable: each file's order is kept
 
 
 VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")  # before any test module (and TRL) is imported
