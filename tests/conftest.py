@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,13 +117,24 @@ def float64_actor_dir(tmp_path_factory, char_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def single_process_runs(tmp_path_factory) -> dict[str, Path]:
     """``rule -> run folder`` of the single-process reference runs of the scale-out config (GMC and GAC), made once
-    for ``tests/test_scale_out.py`` and the two-process kill -9 cells of ``tests/test_resume.py``."""
+    for ``tests/test_scale_out.py`` and the two-process kill -9 cells of ``tests/test_resume.py``.
+
+    Under pytest-xdist the two files run on different workers; the runs are made once for both, in the folder the
+    workers' temporary folders share, by whichever asks first while the other waits on the lock (pytest-xdist's
+    recipe for a session fixture made once)."""
+    from filelock import FileLock
     from run_helpers import MICRO, SCALE_OUT, run_subprocess, write_config
 
-    root = tmp_path_factory.mktemp("single")
-    runs = {}
-    for rule in ("gmc", "gac"):
-        done = run_subprocess(write_config(root, rule, **SCALE_OUT), *MICRO, "--model.correction", rule.upper())
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[rule] = root / rule
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+    root = shared / "single_process_runs"
+    runs = {rule: root / rule for rule in ("gmc", "gac")}
+    with FileLock(str(shared / "single_process_runs.lock")):
+        if not (root / "made").exists():  # a worker that failed to make them leaves no mark: make them again
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            for rule in runs:
+                done = run_subprocess(write_config(root, rule, **SCALE_OUT), *MICRO, "--model.correction", rule.upper())
+                assert done.returncode == 0, done.stderr[-3000:]
+            (root / "made").touch()
     return runs
