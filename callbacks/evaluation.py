@@ -261,8 +261,9 @@ class Evaluation(pl.Callback):
         cut_at_next_problem: bool = False,
         chat_template: bool = False,
     ) -> None:
-        problems = []
-        names = [spec if isinstance(spec, str) else spec.name for spec in benchmarks]
+        problems = [f"benchmarks: {spec!r} is neither a benchmark's name nor a BenchmarkFile" for spec in benchmarks
+                    if not isinstance(spec, (str, BenchmarkFile))]  # fmt: skip
+        names = [spec if isinstance(spec, str) else spec.name for spec in benchmarks if not problems]
         if not benchmarks:
             problems.append("benchmarks must name at least one benchmark")
         if len(set(names)) != len(names):

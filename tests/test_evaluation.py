@@ -88,6 +88,8 @@ def test_options_are_checked_together():
         Evaluation(benchmarks=[], every_n_steps=0, samples=0, max_new_tokens=0)
     message = str(err.value)
     assert all(flag in message for flag in ("benchmarks", "every_n_steps", "samples", "max_new_tokens"))
+    with pytest.raises(ValueError, match=r"benchmarks: 5 is neither a benchmark's name nor a BenchmarkFile$"):
+        Evaluation(benchmarks=["amc23", 5])
 
 
 def test_setup_fails_clearly_without_an_engine(shared_data):
