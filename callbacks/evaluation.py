@@ -263,7 +263,7 @@ class Evaluation(pl.Callback):
     ) -> None:
         problems = [f"benchmarks: {spec!r} is neither a benchmark's name nor a BenchmarkFile" for spec in benchmarks
                     if not isinstance(spec, (str, BenchmarkFile))]  # fmt: skip
-        names = [spec if isinstance(spec, str) else spec.name for spec in benchmarks if not problems]
+        names = [] if problems else [spec if isinstance(spec, str) else spec.name for spec in benchmarks]
         if not benchmarks:
             problems.append("benchmarks must name at least one benchmark")
         if len(set(names)) != len(names):
