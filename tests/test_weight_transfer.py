@@ -298,3 +298,55 @@ def test_ipc_handles_travel_as_vllms_worker_reads_them(monkeypatch):
     assert parsed.ipc_handles == handles and parsed.names == ["w"] and parsed.tensor_sizes == [12]
     plain = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
     assert json_update_info(plain) is plain  # gloo and nccl announcements pass unchanged
+
+
+def test_a_retired_group_releases_a_waiting_worker_though_the_failed_send_keeps_its_error_in_a_cycle():
+    """A server's error re-raised from its call's future is a reference cycle (the future holds the error, whose
+    traceback holds the frames that hold the future and the broadcast being waited for), and a gloo group's
+    connections close only with the last reference to the group or to one of its broadcasts (``abort`` and
+    ``shutdown`` leave them open). Retiring the group after such an error must still release, within seconds, a
+    worker left waiting on it: in a run, the server that survived the loss of another in a sync, which must leave
+    the broken group before it can join the next. Automatic collection is off: one that came first would hide it."""
+    import gc
+
+    from lit_gmc.data.engines.vllm_serve import free_port
+    from lit_gmc.data.engines.weight_transfer import (
+        GlooTrainerInitInfo,
+        GlooTrainerWeightTransferEngine,
+        _drop,
+        open_gloo_group,
+        receive_announcement,
+        receive_bucket,
+    )
+
+    def survivor(group) -> None:
+        """Takes the bucket after its call has failed, then waits for more, as the surviving server's worker."""
+        time.sleep(0.5)
+        receive_bucket(group, receive_announcement(group), {}, _drop)
+        group.recv([torch.zeros(1)], 0, 99).wait()  # ended only by the group's connections closing
+
+    class OneServerLost:
+        def init_weight_transfer_engine(self, info: dict) -> None:
+            self.store, self.group = open_gloo_group(info["master_address"], info["master_port"], 1, 2, 20)
+
+        def start_weight_update(self) -> None:
+            pass
+
+        def update_weights(self, update_info: dict) -> None:
+            self.waiting = ThreadPoolExecutor(max_workers=1).submit(survivor, self.group)
+            raise RuntimeError("server http://127.0.0.1:1 is gone")  # the other server's call
+
+    client = OneServerLost()
+    info = GlooTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                               bucket_bytes=64)  # fmt: skip
+    engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=client)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="is gone"):
+            engine.send_stream(iter([("small", torch.ones(4))]))
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            client.waiting.result(timeout=10)  # the group's timeout is 20 s
+    finally:
+        if collecting:
+            gc.enable()

@@ -25,6 +25,7 @@ import logging
 import math
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -596,7 +597,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """Send one update from a one-shot stream of ``(name, tensor)`` (consumed on every rank).
 
         A send that fails or is interrupted leaves the group unusable (the servers' workers are somewhere in the
-        update): it is retired, and the caller opens another.
+        update): it is retired, and the caller opens another. The error's frames are cleared first: they hold the
+        send's broadcasts, and so the group's connections, which the surviving workers wait on; a server's error
+        re-raised from its call's future even holds them in a reference cycle that only a collection would free.
         """
         if not self.is_sender:
             for _ in named:
@@ -604,7 +607,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return
         try:
             self.sender.send(named, version)
-        except BaseException:
+        except BaseException as err:
+            traceback.clear_frames(err.__traceback__)
             self.retire()
             raise
 
