@@ -29,9 +29,9 @@ def one_torch_thread():
 # one unit of work, so its module fixtures (servers, reference runs) are made once, on one worker. Files start longest
 # first (measured, docs/testing.md), so no worker is left with a long one at the end; a stale order only costs time.
 # (``--dist loadgroup`` cannot group here: pytest 9.2 ignores the node id suffix pytest-xdist 3.8 gives a group.)
-LONGEST_FIRST = ("test_vllm_serve", "test_resume", "test_qwen3_rehearsal", "test_scale_out_recipe", "test_scale_out",
-                 "test_e2e", "test_cli", "test_gpu_check", "test_sweep", "test_sigterm_waits",
-                 "test_export")  # fmt: skip
+LONGEST_FIRST = ("test_vllm_serve", "test_qwen3_rehearsal", "test_scale_out_recipe", "test_resume", "test_e2e",
+                 "test_scale_out", "test_sweep", "test_sigterm_waits", "test_cli", "test_export",
+                 "test_gpu_check")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -34,9 +34,10 @@ STRATEGIES = {"ddp": ("--trainer.strategy", "ddp"), "fsdp2": ("--trainer.strateg
 TWO = ("--trainer.devices", "2")
 
 
-# Each strategy runs each rule once, here or in the kill -9 cells of tests/test_resume.py (whose records, half written
-# before the kill and half after the resume, are compared with the single-process run in the same way): CI time is
-# what limits.
+# `extended`, for CI's time: CI's two-process runs of this config are the kill -9 cells of tests/test_resume.py (DDP
+# with GMC, FSDP2 with GAC), whose records, half written before the kill and half after the resume, are compared with
+# the single-process run in the same way.
+@pytest.mark.extended
 @pytest.mark.parametrize(("strategy", "rule"), [("ddp", "gmc"), ("fsdp2", "gac")])
 def test_two_processes_reproduce_the_single_process_run(tmp_path, single_process_runs, strategy, rule):
     config = write_config(tmp_path, "two", total=TOTAL, every=EVERY, batch_prompts=4)
