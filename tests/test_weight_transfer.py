@@ -345,7 +345,8 @@ def test_a_retired_group_releases_a_waiting_worker_though_the_failed_send_keeps_
     try:
         with pytest.raises(RuntimeError, match="is gone"):
             engine.send_stream(iter([("small", torch.ones(4))]))
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        # released: its connection ended (closed or reset, as the sockets go); still waiting: a TimeoutError
+        with pytest.raises(RuntimeError, match="Connection (closed|reset) by peer"):
             client.waiting.result(timeout=10)  # the group's timeout is 20 s
     finally:
         if collecting:
