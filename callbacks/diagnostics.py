@@ -10,10 +10,15 @@ key is optional; rows are group-major (row ``b * G + i`` is response ``i`` of gr
 - ``ess`` ``(B,)``: group effective sample size ``(sum rho)^2 / sum rho^2``
 - ``rewards``, ``response_lengths`` (real tokens), ``delays`` (``tau = n - s``): ``(N,)`` each
 - ``entropy`` ``(tokens,)``: the current policy's entropy at every real response token
+- ``token_log_ratio`` ``(tokens,)``: ``log pi_theta(y_t) - l_t`` at every real response token
 - ``schedule/draining`` ``()``: 1 once the delay queue drains
 - ``mismatch/abs_mean``, ``mismatch/abs_max`` ``()``: mean and max ``|l - log pi_theta|`` on delay-0 rows' tokens
 
-The cross-rule shares (GMC's rescaled groups, TIC's dropped trajectories) use the callback's own thresholds. Scalars
+The cross-rule shares (GMC's rescaled groups, TIC's dropped trajectories) use the callback's own thresholds. How far
+the current policy is from the behaviour one (``divergence/...``: the k1 and k3 estimates of ``KL(pi_b || pi_theta)``
+per token, ``chi^2`` per token and per sequence, :func:`~lit_gmc.objectives.mismatch_statistics`) is logged every
+update, and a warning goes to the log, once per run and kind, when the mean ESS / G falls below ``warn_ess_fraction``,
+the k3 KL exceeds ``warn_kl`` or the per-token ``chi^2`` exceeds ``warn_chi2``. Scalars
 go to every logger under ``{prefix}/...`` at ``global_step - 1`` (``pl_module.log`` would re-log a one-off value);
 histograms and the entropy's centred rolling mean go to TensorBoard only.
 """
@@ -32,10 +37,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_gmc.objectives import tied_groups
+from lit_gmc.objectives import mismatch_statistics, tied_groups
 
 ROW_KEYS = ("log_rho", "rewards", "response_lengths", "delays")
 GROUP_KEYS = ("log_rho_bar", "removed_mass", "ess")
+TOKEN_KEYS = ("entropy", "token_log_ratio")
 HISTOGRAMS = {"log_rho": "log_rho", "log_rho_bar": "log_rho_bar", "ess": "ess", "removed_mass": "removed_mass",
               "response_lengths": "response_length", "entropy": "entropy"}  # fmt: skip
 
@@ -59,7 +65,7 @@ def check_stats(stats: Mapping[str, Any]) -> tuple[int | None, int | None]:
             sizes[kind][key] = value.numel()
         if len(set(sizes[kind].values())) > 1:
             raise ValueError(f"diagnostics {kind} keys disagree in length: {sizes[kind]}")
-    for key, want in (("entropy", 1), ("schedule/draining", 0)):
+    for key, want in (*((key, 1) for key in TOKEN_KEYS), ("schedule/draining", 0)):
         if key in stats and (not isinstance(stats[key], Tensor) or stats[key].dim() != want):
             raise ValueError(f"diagnostics key {key!r} must be a {want}-D tensor, got {stats[key]!r:.80}")
     rows = next(iter(sizes["rows"].values()), None)
@@ -176,7 +182,7 @@ def step_tensors(
     Returns ``tag -> value``, and ``tag -> defined`` for the correlations (:func:`pearson`) and the gap.
     """
     rows, groups = check_stats(stats)
-    values = {key: stats[key].detach().double() for key in (*ROW_KEYS, *GROUP_KEYS, "entropy")
+    values = {key: stats[key].detach().double() for key in (*ROW_KEYS, *GROUP_KEYS, *TOKEN_KEYS)
               if key in stats and stats[key].numel()}  # fmt: skip
     out: dict[str, Tensor] = {}
     if "log_rho" in values:
@@ -214,6 +220,9 @@ def step_tensors(
         out["reward/zero_variance_fraction"] = tied.float().mean()
     if "entropy" in values:
         out["entropy/mean"] = values["entropy"].mean()
+    if "token_log_ratio" in values and "log_rho" in values:
+        divergence = mismatch_statistics(values["token_log_ratio"], values["log_rho"])
+        out.update({f"divergence/{key}": value for key, value in divergence.items()})
     defined: dict[str, Tensor] = {}
     if "response_lengths" in stats:
         for key, tag in (("log_rho", "corr/log_rho_vs_length"), ("delays", "corr/delay_vs_length")):
@@ -264,7 +273,7 @@ def merged(outputs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     Row, group and token keys concatenated (only those every batch has), ``schedule/draining`` from the last batch.
     """
     keys = set.intersection(*(set(o) for o in outputs))
-    out = {key: torch.cat([o[key].detach() for o in outputs]) for key in (*ROW_KEYS, *GROUP_KEYS, "entropy")
+    out = {key: torch.cat([o[key].detach() for o in outputs]) for key in (*ROW_KEYS, *GROUP_KEYS, *TOKEN_KEYS)
            if key in keys}  # fmt: skip
     if "schedule/draining" in keys:
         out["schedule/draining"] = outputs[-1]["schedule/draining"].detach()
@@ -281,6 +290,10 @@ class Diagnostics(pl.Callback):
         gmc_cap: ``gmc/rescaled_fraction`` is the share of groups with ``rho_bar > 1 + gmc_cap``, whatever rule is
             trained, so that runs of every rule are read at one value (the paper's 0.28).
         tic_cap: ``tic/dropped_fraction`` is the share of trajectories with ``rho > 1 + tic_cap``, likewise.
+        warn_ess_fraction: Warn (once) when an update's mean group ESS / G is below this (verl's suggested 0.3).
+        warn_kl: Warn (once) when an update's k3 estimate of ``KL(pi_b || pi_theta)`` per token exceeds this (verl's
+            suggested bound on its KL, 0.1).
+        warn_chi2: Warn (once) when an update's per-token ``chi^2`` exceeds this (verl's suggested 1.0).
     """
 
     def __init__(
@@ -290,13 +303,22 @@ class Diagnostics(pl.Callback):
         prefix: str = "diag",
         gmc_cap: float = 0.28,
         tic_cap: float = 0.28,
+        warn_ess_fraction: float = 0.3,
+        warn_kl: float = 0.1,
+        warn_chi2: float = 1.0,
     ) -> None:
         if histogram_every_n_steps < 1:
             raise ValueError(f"histogram_every_n_steps must be >= 1, got {histogram_every_n_steps}")
-        for name, cap in (("gmc_cap", gmc_cap), ("tic_cap", tic_cap)):
+        for name, cap in (("gmc_cap", gmc_cap), ("tic_cap", tic_cap), ("warn_ess_fraction", warn_ess_fraction),
+                          ("warn_kl", warn_kl), ("warn_chi2", warn_chi2)):  # fmt: skip
             if not (cap > 0 and math.isfinite(cap)):
                 raise ValueError(f"Diagnostics: {name} must be finite and > 0, got {cap}")
         self.gmc_cap, self.tic_cap = gmc_cap, tic_cap
+        # tag -> (bound, whether values above it warn, the option that sets it)
+        self.warnings = {"ess/mean_fraction_of_G": (warn_ess_fraction, False, "warn_ess_fraction"),
+                         "divergence/k3": (warn_kl, True, "warn_kl"),
+                         "divergence/chi2_token": (warn_chi2, True, "warn_chi2")}  # fmt: skip
+        self.warned: set[str] = set()
         self.entropy_window = entropy_window
         self.histogram_every_n_steps = histogram_every_n_steps
         self.prefix = prefix
@@ -333,7 +355,7 @@ class Diagnostics(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        known = (*ROW_KEYS, *GROUP_KEYS, "entropy", "schedule/draining")
+        known = (*ROW_KEYS, *GROUP_KEYS, *TOKEN_KEYS, "schedule/draining")
         if not isinstance(outputs, Mapping) or not any(key in outputs for key in known):
             got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
             raise TypeError("Diagnostics needs training_step to return a dict with some of the keys "
@@ -348,6 +370,7 @@ class Diagnostics(pl.Callback):
         if "drain/active" in scalars and scalars["drain/active"] > 0.5 and self.drain_step is None:
             self.drain_step = step
             scalars["drain/step"] = float(step)  # a single point: the update at which the queue started draining
+        self.warn_once(step, scalars)
         if scalars:
             for logger in trainer.loggers:
                 logger.log_metrics({f"{self.prefix}/{k}": v for k, v in scalars.items()}, step=step)
@@ -365,6 +388,18 @@ class Diagnostics(pl.Callback):
                 finite = flat[torch.isfinite(flat)].cpu()  # a diverged ratio must not break the binning
                 if finite.numel():
                     writer.add_histogram(f"{self.prefix}/{tag}", finite, step)
+
+    def warn_once(self, step: int, scalars: Mapping[str, float]) -> None:
+        """One warning per kind and run when the policies have drifted past a documented bound (docs/callbacks.md)."""
+        for tag, (bound, above, option) in self.warnings.items():
+            value = scalars.get(tag)
+            if tag in self.warned or value is None or not (value > bound if above else value < bound):
+                continue
+            self.warned.add(tag)
+            side = "above" if above else "below"
+            rank_zero_warn(f"Diagnostics: at update {step} {self.prefix}/{tag} = {value:.4g} is {side} {bound} "
+                           f"(--trainer.callbacks Diagnostics' {option}): the current policy is far from the one that "
+                           "sampled these rollouts, so importance weights rest on few samples (warned once per run)")  # fmt: skip
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

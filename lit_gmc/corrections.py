@@ -70,6 +70,14 @@ def positive_problem(name: str, value: float) -> list[str]:
     return [] if value > 0 and math.isfinite(value) else [f"{name}={value} must be finite and > 0"]
 
 
+def band_problems(low: float, high: float) -> list[str]:
+    """Problem lines unless ``0 < low < high < inf``: the band of ratios a masking rule keeps (IcePop, SeqMIS)."""
+    problems = positive_problem("low", low) + positive_problem("high", high)
+    if not problems and not low < high:
+        problems.append(f"low={low} must be < high={high}")
+    return problems
+
+
 def aggregation_problem(aggregation: str | None) -> list[str]:
     """A problem line unless ``aggregation`` is one of :data:`AGGREGATIONS` (or None: the rule's own)."""
     if aggregation is None or aggregation in AGGREGATIONS:

@@ -59,6 +59,13 @@ def log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -
     return sequence_logprob(token_logprobs, mask) - sequence_logprob(behavior_logprobs, mask)  # (N,)
 
 
+def geometric_log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token mean log-ratio ``(1/|y_i|) sum_t (log pi_theta(y_it) - l_it)``, the log of the geometric mean of the
+    token ratios (GSPO's sequence ratio, verl's ``seq_mean``); 0 for an empty response. Returns ``(N,)``."""
+    lengths = mask.sum(-1).clamp(min=1)  # (N,)
+    return log_ratio(token_logprobs, behavior_logprobs, mask) / lengths  # (N,)
+
+
 def group_log_mean_ratio(log_rho: Tensor, group_size: int) -> Tensor:
     """``log rho_bar_b = logsumexp_i(log rho_i) - log G``, overflow-free. Returns ``(B,)``."""
     return torch.logsumexp(per_group(log_rho, group_size, "log_rho"), dim=-1) - math.log(group_size)  # (B,)
@@ -198,6 +205,63 @@ def a3po_behavior_weight(log_weight: Tensor, mask: Tensor, cap: float | None) ->
     return weight, kept
 
 
+def band_ratio(log_ratio_values: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """A ratio kept where it lies inside ``[low, high]`` and 0 outside (masked IS, rejection), elementwise.
+
+    IcePop per token, SeqMIS/GeoMIS per sequence; the bounds are inclusive. Takes log-ratios of any shape; returns
+    the weights ``exp(log r) 1{low <= r <= high}`` and the boolean mask of the kept entries.
+    """
+    kept = (log_ratio_values >= math.log(low)) & (log_ratio_values <= math.log(high))
+    weights = torch.exp(log_ratio_values.detach().clamp(max=math.log(high))).masked_fill(~kept, 0.0)
+    return weights, kept
+
+
+def kept_ratio(log_r: Tensor, keep: Tensor) -> Tensor:
+    """``r_t = exp(log r_t)`` where ``keep``, 0 elsewhere (M2PO, DPPO); the log-ratio clamped at 80. ``(n, L)``."""
+    return torch.exp(log_r.detach().clamp(max=LOG_RATIO_LIMIT)).masked_fill(~keep, 0.0)
+
+
+def m2po_keep_mask(log_r: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """M2PO's token mask (Zheng et al. 2025, Algorithm 1): the real tokens kept once the ones of largest ``(log r)^2``
+    are dropped, one at a time, until the mean ``(log r)^2`` of those left is ``<= threshold``. ``(n, L)``.
+
+    Over every real token of the call (AReaL's set; the paper's "trust-region tokens"), largest first, ties in row
+    order (the first of equal values goes first, as ``argmax``); all are dropped when no non-empty remainder meets
+    the threshold. Computed with sorted suffix means in float64, not a loop.
+    """
+    _check_tokens("log_r", log_r, mask)
+    second = log_r.detach().double()[mask].square()  # (m,)
+    order = torch.sort(second, descending=True, stable=True).indices  # (m,)
+    ranked = second[order]  # (m,) largest first
+    tail_sums = ranked.flip(0).cumsum(0).flip(0)  # (m,) sum of ranked[k:], added smallest first
+    tail_means = tail_sums / torch.arange(ranked.numel(), 0, -1, dtype=torch.float64)  # (m,)
+    meets = (tail_means <= threshold).nonzero()
+    dropped_count = int(meets[0]) if meets.numel() else ranked.numel()
+    kept_tokens = torch.ones_like(second, dtype=torch.bool)
+    kept_tokens[order[:dropped_count]] = False
+    keep = torch.zeros_like(mask)
+    keep[mask] = kept_tokens
+    return keep  # (n, L)
+
+
+def dppo_keep_mask(
+    token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, Tensor]:
+    """DPPO's Binary-TV trust region (Qi et al. 2026; prime-rl's default loss): tokens whose probability already moved
+    past the band in the direction their advantage pushes get no gradient.
+
+    With ``p = pi_theta(y_t)``, ``q = exp(l_t)``: a token of ``A > 0`` is dropped when ``p - q > eps_high``, any other
+    when ``p - q < -eps_low`` (a probability difference, not a ratio). Returns the ``(n, L)`` mask of real tokens
+    kept and the ``(n, L)`` mask of those dropped.
+    """
+    _check_tokens("behavior_logprobs", behavior_logprobs, mask)
+    moved = torch.exp(token_logprobs.detach()) - torch.exp(behavior_logprobs)  # (n, L)
+    pushed_up = advantages.detach()[:, None] > 0  # (n, 1)
+    dropped = torch.where(pushed_up, moved > eps_high, moved < -eps_low) & mask  # (n, L)
+    return mask & ~dropped, dropped
+
+
 # --- Token losses ------------------------------------------------------------------------------------------------
 
 
@@ -229,6 +293,23 @@ def ppo_clip_token_loss(
     return (-torch.minimum(unclipped, clipped)).masked_fill(~mask, 0.0)  # (N, L)
 
 
+def token_policy_gradient_loss(weights: Tensor, advantages: Tensor, token_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``-sg(w_it A_i) log pi_theta(y_it)``: a policy-gradient loss with detached per-token weights ``w``. ``(n, L)``.
+
+    The form every rule here takes when its gradient is ``w_t A_i grad log pi_theta(y_t)`` (CISPO, TIS, IcePop, M2PO,
+    DPPO): the weight never carries gradient, so a huge ratio cannot turn into a huge derivative of ``exp``.
+    """
+    _check_tokens("weights", weights, mask)
+    coef = (weights * advantages.detach()[:, None]).detach()  # (n, L)
+    return (-coef * token_logprobs).masked_fill(~mask, 0.0)  # (n, L)
+
+
+def token_log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``log r_t = log pi_theta(y_t) - l_t`` per token, detached, 0 on padding. Returns ``(n, L)``."""
+    _check_tokens("behavior_logprobs", behavior_logprobs, mask)
+    return (token_logprobs.detach() - behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L)
+
+
 def truncated_token_ratio_loss(
     token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, cap: float
 ) -> tuple[Tensor, Tensor]:
@@ -237,10 +318,30 @@ def truncated_token_ratio_loss(
     The shared form of CISPO and TIS. Returns the ``(n, L)`` loss (zeros on padding) and the ``(n, L)``
     mask of real tokens whose ratio was truncated.
     """
-    log_r = (token_logprobs.detach() - behavior_logprobs).masked_fill(~mask, 0.0)  # (n, L)
+    log_r = token_log_ratio(token_logprobs, behavior_logprobs, mask)  # (n, L)
     weight = torch.exp(log_r.clamp(max=math.log(cap)))  # (n, L) min(r, cap)
-    coef = (weight * advantages.detach()[:, None]).detach()  # (n, L)
-    return (-coef * token_logprobs).masked_fill(~mask, 0.0), (log_r > math.log(cap)) & mask
+    return token_policy_gradient_loss(weight, advantages, token_logprobs, mask), (log_r > math.log(cap)) & mask
+
+
+def gspo_token_loss(
+    token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, Tensor]:
+    """GSPO (Zheng et al. 2025) in its token form: PPO's clip on the geometric-mean sequence ratio ``s_i``.
+
+    ``s_it = sg(s_i) pi_theta(y_it) / sg(pi_theta(y_it))`` (value ``s_i = exp(mean_t log r_t)``), ``loss_t =
+    -min(s_it A_i, clip(s_it, 1 - eps_low, 1 + eps_high) A_i)``: summed over a sequence's tokens over ``|y_i|``
+    (``seq_mean_token_mean``) its value and gradient are GSPO's sequence loss ``-min(s_i A_i, clip(s_i) A_i)``.
+    ``log s_i`` is clamped at 80 so that the ratio stays finite. Returns the ``(n, L)`` loss (zeros on padding)
+    and the ``(n,)`` mask of sequences whose ratio lies outside the clip band.
+    """
+    log_s = geometric_log_ratio(token_logprobs.detach(), behavior_logprobs, mask).clamp(max=LOG_RATIO_LIMIT)  # (n,)
+    s_t = torch.exp(log_s[:, None] + token_logprobs - token_logprobs.detach())  # (n, L), value s_i
+    adv = advantages.detach()[:, None]  # (n, 1)
+    loss = -torch.minimum(s_t * adv, s_t.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (n, L)
+    floor = math.log1p(-eps_low) if eps_low < 1 else -math.inf  # a clip of 1 or more has no lower side
+    outside = (log_s < floor) | (log_s > math.log1p(eps_high))  # (n,)
+    return loss.masked_fill(~mask, 0.0), outside
 
 
 # --- Aggregation -------------------------------------------------------------------------------------------------
@@ -350,6 +451,30 @@ def removed_mass(log_rho: Tensor, coefficients: Tensor, group_size: int) -> Tens
     """
     rho = torch.exp(log_rho.detach().double().clamp(max=700.0))  # (N,)
     return per_group(rho - coefficients.detach().double(), group_size, "coefficients").mean(-1)  # (B,)
+
+
+MISMATCH_LOG_RATIO_LIMIT = 20.0  # verl's clamp of log r before exp in its chi^2: one wild token cannot read as inf
+
+
+def mismatch_statistics(token_log_ratios: Tensor, sequence_log_ratios: Tensor) -> dict[str, Tensor]:
+    """How far the current policy is from the behaviour one, from sampled tokens and sequences (0-dim each, float64).
+
+    ``token_log_ratios``: ``(tokens,)`` ``log r_t = log pi_theta(y_t) - l_t`` of real tokens; ``sequence_log_ratios``:
+    ``(N,)`` ``log rho_i``. With samples from the behaviour policy (verl's conventions, log-ratios clamped at +-20):
+    - ``k1 = mean_t(-log r_t)`` and ``k3 = mean_t(r_t - 1 - log r_t)`` estimate ``KL(pi_b || pi_theta)`` per token
+      (k3 is >= 0 term by term, k1 can be negative);
+    - ``chi2_token = mean_t(r_t^2) - 1`` and ``chi2_seq = mean_i(rho_i^2) - 1`` estimate ``chi^2(pi_theta || pi_b)``,
+      per token and per sequence (the paper's ``chi^2 = E_b[(rho - 1)^2]``, since ``E_b[rho] = 1``).
+    Empty inputs give NaN for their entries.
+    """
+    t = token_log_ratios.detach().double().clamp(-MISMATCH_LOG_RATIO_LIMIT, MISMATCH_LOG_RATIO_LIMIT)  # (tokens,)
+    s = sequence_log_ratios.detach().double().clamp(-MISMATCH_LOG_RATIO_LIMIT, MISMATCH_LOG_RATIO_LIMIT)  # (N,)
+    return {
+        "k1": (-t).mean(),
+        "k3": (torch.exp(t) - 1.0 - t).mean(),
+        "chi2_token": torch.exp(2.0 * t).mean() - 1.0,
+        "chi2_seq": torch.exp(2.0 * s).mean() - 1.0,
+    }
 
 
 def token_fraction(selected: Tensor, mask: Tensor) -> Tensor:

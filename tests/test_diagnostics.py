@@ -32,6 +32,7 @@ from lit_gmc.tblog import read_scalars
 
 G, B = 4, 3
 DRAIN_AT = 30
+DRIFT_AT = 20
 
 
 def fake_stats(step: int) -> dict[str, torch.Tensor]:
@@ -55,6 +56,8 @@ def fake_stats(step: int) -> dict[str, torch.Tensor]:
         "response_lengths": lengths,
         "delays": torch.randint(0, 5, (B,), generator=gen).repeat_interleave(G),
         "entropy": torch.rand(int(lengths.sum()), generator=gen) * 2,
+        # small log-ratios first, past every warning bound from update DRIFT_AT on
+        "token_log_ratio": torch.randn(int(lengths.sum()), generator=gen) * (0.05 if step < DRIFT_AT else 1.5),
         "schedule/draining": torch.tensor(float(step >= DRAIN_AT)),
         "schedule/queue_depth": torch.tensor(float(max(0, 40 - step))),
     }
@@ -116,6 +119,9 @@ def test_step_scalars_match_direct_formulas():
         "corr/delay_vs_length": np.corrcoef(stats["delays"].double().numpy(), lengths)[0, 1],
         "drain/active": 0.0,
     }  # fmt: skip
+    t = stats["token_log_ratio"].double().numpy()
+    want.update({"divergence/k1": np.mean(-t), "divergence/k3": np.mean(np.exp(t) - 1 - t),
+                 "divergence/chi2_token": np.mean(np.exp(t) ** 2) - 1, "divergence/chi2_seq": np.mean(np.exp(lr) ** 2) - 1})
     fresh = stats["delays"].numpy() == 0  # the engine/learner gap, on the rows the current weights generated
     fresh_groups = fresh.reshape(B, G).all(-1)
     want["gap/on_policy_rows"] = fresh.sum()
@@ -331,6 +337,20 @@ def test_callback_logs_every_diagnostic_at_the_right_step(tmp_path):
     assert {f"diag/{t}" for t in ("log_rho", "log_rho_bar", "ess", "removed_mass", "response_length", "entropy")} <= (
         histogram_tags(tmp_path / "tb")
     )
+
+
+def test_callback_warns_once_per_kind_when_the_policies_drift_apart(tmp_path, recwarn):
+    module = StatsModule()
+    trainer(tmp_path, 40, [Diagnostics(warn_ess_fraction=0.2)]).fit(module, loader(40))
+    messages = [str(w.message) for w in recwarn if str(w.message).startswith("Diagnostics: at update")]
+    assert len(messages) == 2, messages  # k3 and chi^2, each once, though every update from DRIFT_AT on is past them
+    assert f"at update {DRIFT_AT} diag/divergence/k3" in messages[0] and "warn_kl" in messages[0]
+    assert f"at update {DRIFT_AT} diag/divergence/chi2_token" in messages[1] and "warn_chi2" in messages[1]
+    ess = [step_scalars(module.seen[s])["ess/mean_fraction_of_G"] for s in range(40)]
+    assert min(ess) >= 0.2  # the ESS bound was never crossed, so it never warned
+    recwarn.clear()
+    trainer(tmp_path / "strict", 3, [Diagnostics(warn_ess_fraction=0.999)]).fit(StatsModule(), loader(3))
+    assert [str(w.message) for w in recwarn if "ess/mean_fraction_of_G" in str(w.message)] != []
 
 
 class AccumulatingModule(StatsModule):

@@ -175,6 +175,8 @@ def test_nan_rewards_are_never_ties():
 
 RULES = {name: rule() for name, rule in lit_gmc.rules.registered().items()}  # the built-in rules
 RULES["A3PO_capped"] = lit_gmc.rules.A3PO(behavior_cap=5.0)  # AReaL's masking of pi_prox / pi_b > 5
+# verl's band [0.999, 1.001] rejects every response of policy_terms (log-ratios of size 0.5 a token): a wider one
+RULES["GeoMIS"] = lit_gmc.rules.GeoMIS(low=0.5, high=2.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -439,3 +441,22 @@ def test_entropy_of_uniform_and_one_hot_rows():
     torch.testing.assert_close(O.token_entropy(uniform), torch.tensor([math.log(64)], dtype=torch.float64))
     peaked = torch.log_softmax(torch.tensor([[0.0, -200.0, -200.0]], dtype=torch.float64), -1)
     assert float(O.token_entropy(peaked)) < 1e-80
+
+
+def test_mismatch_statistics_match_their_definitions_and_estimate_kl_and_chi2_from_samples():
+    gen = torch.Generator().manual_seed(0)
+    b = torch.softmax(torch.randn(7, generator=gen, dtype=torch.float64), 0)  # behaviour
+    p = torch.softmax(torch.randn(7, generator=gen, dtype=torch.float64), 0)  # current
+    tokens = torch.multinomial(b, 200_000, replacement=True, generator=gen)
+    log_r = torch.log(p / b)[tokens]
+    stats = O.mismatch_statistics(log_r, log_r[:1000])
+    kl, chi2 = float((b * torch.log(b / p)).sum()), float((p**2 / b).sum() - 1)  # KL(b || p), chi^2(p || b)
+    assert float(stats["k1"]) == pytest.approx(kl, rel=0.02)
+    assert float(stats["k3"]) == pytest.approx(kl, rel=0.02)
+    assert float(stats["chi2_token"]) == pytest.approx(chi2, rel=0.05)
+    r = log_r[:1000].exp()
+    assert float(stats["chi2_seq"]) == pytest.approx(float((r**2).mean() - 1), rel=1e-12)
+    zero = O.mismatch_statistics(torch.zeros(5), torch.zeros(3))  # on-policy: every divergence is 0
+    assert all(float(v) == 0.0 for v in zero.values())
+    huge = O.mismatch_statistics(torch.tensor([1e4, -1e4]), torch.tensor([1e4]))  # clamped at +-20: finite
+    assert all(math.isfinite(float(v)) for v in huge.values())

@@ -90,7 +90,8 @@ def test_a_new_rule_file_trains_by_its_name_and_appears_in_help_the_readme_table
 
 def test_the_readme_table_is_the_registry():
     assert rules_table.main(["--check"]) == 0, "run python scripts/rules_table.py"
-    assert list(lit_gmc.rules.registered()) == ["A3PO", "CISPO", "GAC", "GMC", "GRPO", "IS", "TIC", "TIS", "VCPO"]
+    assert list(lit_gmc.rules.registered()) == ["A3PO", "CISPO", "DPPO", "GAC", "GMC", "GRPO", "GSPO", "GeoMIS", "GeoTIS",
+                                                "IS", "IcePop", "M2PO", "SeqMIS", "SeqTIS", "TIC", "TIS", "VCPO"]
 
 
 def test_every_rule_checks_its_threshold_in_its_constructor_and_logs_it():
