@@ -1,4 +1,5 @@
-"""``lit-gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit-gmc export``: checkpoint to HF folder.
+"""``lit-gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit-gmc export``: checkpoint to HF folder;
+``lit-gmc estimate``: the estimator lab (:mod:`lit_gmc.lab`).
 
 The command is read before anything heavy is imported, so that ``--help`` answers at once. A user's mistake
 (:class:`~lit_gmc.errors.UserError`) prints one line and exits with status 2; a run stopped by SIGTERM, once it has
@@ -23,6 +24,7 @@ PREEMPTED = 128 + signal.SIGTERM
 COMMANDS = {
     "fit": "train a policy on stale rollouts (lit-gmc fit --help lists its options)",
     "export": "write a checkpoint's policy as a transformers folder (lit-gmc export --help)",
+    "estimate": "measure every rule's update against the true gradient under staleness (lit-gmc estimate --help)",
 }
 
 
@@ -42,6 +44,10 @@ def run(argv: list[str]) -> None:
         from lit_gmc.export import main as export
 
         export(argv[1:])
+    elif command == "estimate":
+        from lit_gmc.lab.command import main as estimate
+
+        estimate(argv[1:])
     elif command == "fit":
         fit(argv)
     elif command in ("-h", "--help"):

@@ -108,6 +108,10 @@ class Correction:
     default_aggregation: ClassVar[O.Aggregation] = "seq_sum_over_T"
     """The aggregation its authors use, taken when ``aggregation`` is None."""
 
+    couples_groups: ClassVar[bool] = False
+    """The loss of a call is not the sum of its groups' own losses (a mask or normaliser over the whole call, as
+    M2PO's): the estimator lab then calls the rule once per group, its unit of one update."""
+
     needs_grad_norms: ClassVar[bool] = False
     """The rule reads ``PolicyTerms.grad_norms_sq``; the module then computes them (costly: one extra backward per
     trajectory), so only rules that need them ask."""

@@ -374,6 +374,25 @@ def aggregate_loss(
     raise ValueError(f"unknown aggregation {mode!r}; expected one of seq_sum_over_T, token_mean, seq_mean_token_mean")
 
 
+def update_losses(token_loss: Tensor, mask: Tensor, mode: Aggregation, *, max_length: int, group_size: int) -> Tensor:
+    """Each group's loss as an update of its own (one group, ``B = 1``), for ``k`` groups at once. Returns ``(k,)``.
+
+    Group ``d``'s entry is :func:`aggregate_loss` of that group alone (the estimator lab's unit, the paper's per-group
+    update ``U_b``): ``seq_sum_over_T`` over ``T G``, ``token_mean`` over the group's real tokens,
+    ``seq_mean_token_mean`` the mean over its ``G`` responses of their token means.
+    """
+    _check_tokens("token_loss", token_loss, mask)
+    loss = token_loss.view(-1, group_size, token_loss.shape[-1])  # (k, G, L)
+    real = mask.view(loss.shape)  # (k, G, L)
+    if mode == "seq_sum_over_T":
+        return loss.sum((1, 2)) / (max_length * group_size)
+    if mode == "token_mean":
+        return loss.sum((1, 2)) / real.sum((1, 2)).clamp(min=1)
+    if mode == "seq_mean_token_mean":
+        return (loss.sum(-1) / real.sum(-1).clamp(min=1)).sum(-1) / group_size
+    raise ValueError(f"unknown aggregation {mode!r}; expected one of seq_sum_over_T, token_mean, seq_mean_token_mean")
+
+
 # --- Step rules (GMC's Corollary-1 cap, VCPO's step size, GAC's projection) -------------------------------------------
 
 

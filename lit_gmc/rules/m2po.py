@@ -28,6 +28,7 @@ class M2PO(TokenLevel):
 
     threshold_option = "m2_threshold"
     default_aggregation = "token_mean"
+    couples_groups = True  # the mask is over every token of the call
 
     def __init__(self, m2_threshold: float = 0.04, aggregation: O.Aggregation | None = None) -> None:
         super().__init__(aggregation, m2_threshold=m2_threshold)

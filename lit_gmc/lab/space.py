@@ -1,0 +1,157 @@
+"""The responses a prompt can get, their log-probs under a policy, and their per-token score vectors.
+
+A prompt's *space* is every response of at most ``T`` tokens: those that stop at an EOS before ``T`` and those cut at
+``T`` (the engines' rule, :func:`~lit_gmc.data.engines.hf.response_lengths`). Over it the policy's probabilities sum
+to 1, so expectations are sums, not samples. Log-probs and scores come from one forward per row with no attention
+mask: every row of a space shares its prompt (no left padding), and the right padding after an EOS is never attended
+to by the tokens before it, so the values are the learner's (:func:`~lit_gmc.logprobs.response_logprobs`, checked in
+tests/test_lab.py). Scores are ``torch.func`` Jacobians, vectorised over rows, flattened in ``named_parameters``
+order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lit_gmc.errors import UserError
+
+MAX_ROWS = 100_000
+"""Above this many responses a prompt, the space is not enumerated (``--max-tokens`` too high for the vocabulary)."""
+
+
+@dataclass(frozen=True)
+class PromptSpace:
+    """Every response of at most ``T`` tokens to one prompt, and its reward.
+
+    Attributes:
+        prompt: The prompt's text.
+        answer: Its reference answer.
+        prompt_ids: ``(P,)`` token ids of the prompt.
+        response_ids: ``(N, T)`` token ids, right-padded with the pad id after an EOS.
+        mask: ``(N, T)`` True on real response tokens (the EOS included).
+        rewards: ``(N,)`` the task's reward of each response (float64).
+    """
+
+    prompt: str
+    answer: str
+    prompt_ids: Tensor
+    response_ids: Tensor
+    mask: Tensor
+    rewards: Tensor
+
+    @property
+    def size(self) -> int:
+        """``N``, the number of responses."""
+        return int(self.response_ids.shape[0])
+
+    @property
+    def max_tokens(self) -> int:
+        """``T``."""
+        return int(self.response_ids.shape[1])
+
+    def rows(self) -> Tensor:
+        """``(N, P + T)``: prompt and response of every row."""
+        return torch.cat([self.prompt_ids.expand(self.size, -1), self.response_ids], dim=1)
+
+
+def response_count(vocab_size: int, max_tokens: int) -> int:
+    """How many responses of at most ``max_tokens`` tokens a vocabulary of ``vocab_size`` (one EOS) has."""
+    others = vocab_size - 1
+    return sum(others**k for k in range(max_tokens - 1)) + others ** (max_tokens - 1) * vocab_size
+
+
+def all_responses(vocab_size: int, eos_id: int, pad_id: int, max_tokens: int) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)``, each ``(N, T)``: every response of at most ``T`` tokens, shortest first.
+
+    A response of ``k < T`` tokens is ``k - 1`` non-EOS tokens and an EOS; one of ``T`` tokens is ``T - 1`` non-EOS
+    tokens and any last token. ``N`` is :func:`response_count`.
+    """
+    if max_tokens < 1:
+        raise UserError(f"--max-tokens {max_tokens} must be >= 1")
+    count = response_count(vocab_size, max_tokens)
+    if count > MAX_ROWS:
+        raise UserError(f"--max-tokens {max_tokens}: a vocabulary of {vocab_size} tokens gives {count:,} responses a "
+                        f"prompt, more than the {MAX_ROWS:,} the lab enumerates; lower --max-tokens")  # fmt: skip
+    others = torch.tensor([t for t in range(vocab_size) if t != eos_id])
+    ids, masks = [], []
+    for length in range(1, max_tokens + 1):
+        last = torch.arange(vocab_size) if length == max_tokens else torch.tensor([eos_id])
+        parts = [others] * (length - 1) + [last]
+        body = torch.cartesian_prod(*parts).reshape(-1, length)  # (n_k, length)
+        pad = torch.full((body.shape[0], max_tokens - length), pad_id)
+        ids.append(torch.cat([body, pad], dim=1))
+        masks.append(torch.arange(max_tokens)[None, :].expand(body.shape[0], -1) < length)
+    return torch.cat(ids), torch.cat(masks)
+
+
+def prompt_space(
+    prompt: str, answer: str, tokenizer, max_tokens: int, score: Callable[[list[str], str], list[float]]
+) -> PromptSpace:
+    """The space of ``prompt``'s responses, each scored by ``score(completions, answer)`` on its decoded text.
+
+    Completions are decoded as the DataModule decodes them (special tokens skipped).
+    """
+    prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids, mask = all_responses(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, max_tokens)
+    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask, strict=True)],
+                                   skip_special_tokens=True)  # fmt: skip
+    rewards = torch.tensor(score(texts, answer), dtype=torch.float64)
+    if rewards.shape != (ids.shape[0],) or not torch.isfinite(rewards).all():
+        raise UserError(f"the task's score gave {tuple(rewards.shape)} rewards for {ids.shape[0]} completions of "
+                        f"{prompt!r}, or a non-finite one: it must give one finite reward per completion")  # fmt: skip
+    return PromptSpace(prompt, answer, prompt_ids, ids, mask, rewards)
+
+
+def chunks(total: int, size: int) -> Iterator[slice]:
+    """Consecutive slices of ``range(total)``, ``size`` long (the last shorter)."""
+    for start in range(0, total, size):
+        yield slice(start, min(start + size, total))
+
+
+def _token_logprobs(logits: Tensor, ids: Tensor, prompt_width: int, temperature: float) -> Tensor:
+    """``(..., T)`` log-probs of the response tokens of ``ids`` from the logits of the whole rows."""
+    head = logits[..., prompt_width - 1 : -1, :]  # the positions that predict response tokens
+    head = head.to(torch.promote_types(head.dtype, torch.float32)) / temperature  # as the learner's head
+    return torch.log_softmax(head, -1).gather(-1, ids[..., prompt_width:, None])[..., 0]
+
+
+@torch.no_grad()
+def token_logprobs(model: nn.Module, space: PromptSpace, temperature: float = 1.0, chunk_rows: int = 1024) -> Tensor:
+    """``(N, T)`` float64 log-probs of every response token of ``space`` under ``model`` (0 on padding)."""
+    rows, width = space.rows(), space.prompt_ids.numel()
+    out = [
+        _token_logprobs(model(input_ids=rows[part], use_cache=False).logits, rows[part], width, temperature)
+        for part in chunks(space.size, chunk_rows)
+    ]
+    return torch.cat(out).double().masked_fill(~space.mask, 0.0)
+
+
+def score_vectors(
+    model: nn.Module, space: PromptSpace, rows: Tensor, temperature: float = 1.0, chunk_rows: int = 32
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(row indices, scores)`` in chunks: ``scores`` is ``(c, T, d)``, ``grad_theta log pi_theta(y_t | x, y_<t)``.
+
+    ``d`` runs over ``model.named_parameters()`` flattened in order (tied weights once); padding positions hold
+    the gradient of junk and must be masked by the caller.
+    """
+    from torch.func import functional_call, jacrev, vmap
+
+    names = [name for name, _ in model.named_parameters()]
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    width = space.prompt_ids.numel()
+
+    def row_logprobs(values: dict[str, Tensor], ids: Tensor) -> Tensor:  # (T,)
+        logits = functional_call(model, values, args=(), kwargs={"input_ids": ids[None], "use_cache": False}).logits
+        return _token_logprobs(logits[0], ids, width, temperature)
+
+    jacobian = vmap(jacrev(row_logprobs), in_dims=(None, 0))
+    all_rows = space.rows()
+    for part in chunks(rows.numel(), chunk_rows):
+        index = rows[part]
+        jac = jacobian(params, all_rows[index])  # name -> (c, T, *shape)
+        yield index, torch.cat([jac[name].flatten(2) for name in names], dim=2)  # (c, T, d)
+
