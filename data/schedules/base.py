@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.options import check_options
@@ -45,6 +45,11 @@ class DelaySchedule(ABC):
 
     overlap: bool = False
     """Whether :meth:`launch` generates in a background thread and returns futures of batches."""
+
+    refill_on_extend: bool = False
+    """Whether a resume planning more updates from a checkpoint taken in the drain goes on by generating again from
+    the checkpoint's policy (``False``: it is refused; see :func:`extension_problem`). The schedules that drain take
+    it as an option."""
 
     step: int = 0
     total_updates: int = 0
@@ -148,12 +153,16 @@ class Sync(_QueueSchedule):
 
     Args:
         inner_steps: ``K``, updates per generation round; the last round generates only what is left.
+        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
+            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
     """
 
-    def __init__(self, inner_steps: int = 1) -> None:
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"refill_on_extend"})  # a resume's own choice
+
+    def __init__(self, inner_steps: int = 1, refill_on_extend: bool = False) -> None:
         super().__init__()
         check_options("Sync", self.option_problems(inner_steps))
-        self.inner_steps = inner_steps
+        self.inner_steps, self.refill_on_extend = inner_steps, refill_on_extend
 
     @staticmethod
     def option_problems(inner_steps: int) -> list[str]:
@@ -181,12 +190,16 @@ class FixedDelay(_QueueSchedule):
 
     Args:
         delay: ``D >= 0``, updates between generating a batch and consuming it.
+        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
+            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
     """
 
-    def __init__(self, delay: int = 8) -> None:
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"refill_on_extend"})  # a resume's own choice
+
+    def __init__(self, delay: int = 8, refill_on_extend: bool = False) -> None:
         super().__init__()
         check_options("FixedDelay", self.option_problems(delay))
-        self.delay = delay
+        self.delay, self.refill_on_extend = delay, refill_on_extend
 
     @staticmethod
     def option_problems(delay: int) -> list[str]:
@@ -223,6 +236,6 @@ def extension_problem(state: dict[str, Any], total_updates: int, name: str) -> s
         f"generating for the planned end), a state no run planned for {total_updates} updates reaches. To extend it "
         f"as if planned for {total_updates} from the start, resume from a checkpoint at or before update "
         f"{drain_step} (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or add "
-        "--data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
+        "--data.schedule.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
         "restart from 0)"
     )

@@ -59,19 +59,22 @@ class VirtualClock(DelaySchedule):
         overlap: Generate in a background thread while the learner trains (it pays off when ``lam > c_gen``).
             With ``--model.gradient_checkpointing`` (which restores torch's global generator in backward)
             ``HFEngine``'s overlapped samples stop being reproducible: turn it off there if runs must repeat.
+        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
+            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
     """
 
-    # Options a resume may change (lit_gmc.resume asks the class): they do not change the delays.
-    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"overlap", "max_launches"})
+    # Options a resume may change (lit_gmc.resume asks the class): they do not change the delays, or (the last) are
+    # the resume's own choice.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"overlap", "max_launches", "refill_on_extend"})
 
     def __init__(
         self, c_gen: float = 85.0, lam: float = 28.0, c_update: float = 1.0, max_launches: int = 400,
-        overlap: bool = True,
+        overlap: bool = True, refill_on_extend: bool = False,
     ) -> None:  # fmt: skip
         check_options("VirtualClock", self.option_problems(c_gen, lam, c_update, max_launches))
         super().__init__()
         self.c_gen, self.lam, self.c_update, self.max_launches = float(c_gen), float(lam), float(c_update), max_launches
-        self.overlap = overlap
+        self.overlap, self.refill_on_extend = overlap, refill_on_extend
         self.clock = 0.0
         self.hidden: list[_Launch] = []  # launched, not yet visible (possibly still generating)
         self.visible: list[_Launch] = []  # completed by the clock, sorted by (ready_at, index)
