@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
@@ -26,7 +26,7 @@ from lit_gmc.actor import context_problem, load_actor, resolve_actor_path
 from lit_gmc.batch import RolloutBatch, collate_groups
 from lit_gmc.data.engines.base import RolloutEngine, Sampling
 from lit_gmc.data.engines.recompute import BehaviorRecompute
-from lit_gmc.data.schedules.base import Batch, DelaySchedule, extension_problem
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, extension_problem, refill_notice
 from lit_gmc.data.tasks.base import (
     Prompt,
     PromptStream,
@@ -436,6 +436,8 @@ class RolloutDataModule(pl.LightningDataModule):
         problem = extension_problem(saved, self.schedule.total_updates, name)
         if problem and not self.schedule.refill_on_extend:
             raise UserError(problem)
+        if problem:  # the schedule generates again from the restored policy (FixedDelay: refills its queue)
+            rank_zero_info(refill_notice(saved, self.schedule.total_updates, name))
         self.schedule.load_state_dict(saved)
         self.stream.load_state_dict(state_dict["stream"])
         self.batches_launched = state_dict["batches_launched"]

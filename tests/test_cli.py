@@ -106,11 +106,11 @@ def test_options_of_the_data_components_are_theirs_and_the_old_flags_name_the_ne
     ("args", "class_path", "init_args"),
     [
         (["--data.schedule.delay", "32"], "lit_gmc.data.schedules.base.FixedDelay",
-         {"delay": 32, "refill_on_extend": False}),
+         {"delay": 32, "refill_on_extend": True}),
         (["--data.schedule", "VirtualClock", "--data.schedule.lam", "920"],
          "lit_gmc.data.schedules.virtual_clock.VirtualClock",
          {"c_gen": 85.0, "lam": 920.0, "c_update": 1.0, "max_launches": 400, "overlap": True,
-          "refill_on_extend": False}),
+          "refill_on_extend": True}),
         (["--data.schedule", "Live", "--data.schedule.chunk_prompts", "2"], "lit_gmc.data.schedules.live.Live",
          {"workers": 1, "chunk_prompts": 2, "max_staleness": None, "join_timeout_s": 60.0}),
     ],

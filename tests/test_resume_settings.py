@@ -6,6 +6,7 @@ The allowed changes (``--trainer.max_steps``, memory and speed knobs, logging, c
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -232,11 +233,30 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh(tmp_path):
     assert Path(tmp_path / "fresh" / "checkpoints" / "last.ckpt").exists()
 
 
+class LightningLines(logging.Handler):
+    """The lines Lightning's console logger prints (``rank_zero_info``), while installed with ``with``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> LightningLines:
+        logging.getLogger("lightning.pytorch").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("lightning.pytorch").removeHandler(self)
+
+
 @pytest.mark.slow
 def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_that_long(tmp_path, monkeypatch):
-    """A 4-update run resumed with --trainer.max_steps 7: from its last checkpoint (taken in FixedDelay's drain)
-    the resume is refused, saying how to extend; from its checkpoint at update 2 (before the drain) it gives the
-    records of a 7-update run; --data.schedule.refill_on_extend true goes on from a drained checkpoint with a new fill.
+    """A 4-update run resumed with --trainer.max_steps 7 from its checkpoint at update 2 (before FixedDelay's drain)
+    gives the records of a 7-update run, with the schedule's refill_on_extend on (the default); from its last
+    checkpoint (in the drain) that resume is refused with refill_on_extend false, saying how to extend. The 7-update
+    run's own last.ckpt (drained) extended to 9 updates refills the queue from its policy, and one log line says so.
 
     The learning rate follows ``--lr_scheduler.total_steps`` (else each invocation's --trainer.max_steps), set to
     the final length here so that the rates, and so the records, match the 7-update run."""
@@ -246,24 +266,33 @@ def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_t
     config = write_config(tmp_path, "extended", total=4, **options)
     fit(config, *lr)
     assert main_error_line(monkeypatch, "fit", "--config", str(config), *lr, "--trainer.max_steps", "7",
-                           "--ckpt_path", "last") == (
+                           "--data.schedule.refill_on_extend", "false", "--ckpt_path", "last") == (
         "lit_gmc: error: --trainer.max_steps 7 extends a run planned for 4 updates, but its checkpoint (at update 4) "
         "was taken after FixedDelay began its drain at update 2 (it stopped generating for the planned end), a state "
         "no run planned for 7 updates reaches. To extend it as if planned for 7 from the start, resume from a "
         "checkpoint at or before update 2 (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or "
-        "add --data.schedule.refill_on_extend true to refill the schedule from the current policy, as at a start "
-        "(delays restart from 0)"
+        "leave --data.schedule.refill_on_extend true (the default) to refill the schedule from the checkpoint's "
+        "policy, as at a start (delays restart from 0)"
     )  # fmt: skip
     (before_drain,) = (tmp_path / "extended" / "checkpoints").glob("*step=2.ckpt")
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, LightningLines() as log:
         warnings.simplefilter("always")
         fit(config, *lr, "--trainer.max_steps", "7", "--ckpt_path", str(before_drain))
     assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its own folder: no warning
+    assert not [line for line in log.lines if "refilled" in line]  # the exact path: nothing to say
     assert_same_records(records(tmp_path / "extended"), records(tmp_path / "planned"))
 
-    fit(config, *lr, "--trainer.max_steps", "9", "--data.schedule.refill_on_extend", "true", "--ckpt_path", "last")
+    with LightningLines() as log:
+        fit(config, *lr, "--trainer.max_steps", "9", "--ckpt_path", "last")
+    assert [line for line in log.lines if "refilled" in line] == [
+        "extending a run planned for 7 updates to 9 from its checkpoint at update 7, taken after FixedDelay began its "
+        "drain at update 5: the schedule is refilled from the checkpoint's policy (delays restart from 0), so the "
+        "records differ from a run planned for 9 updates from the start, which a checkpoint at or before update 5 "
+        "would give (--data.schedule.refill_on_extend false refuses this resume)"
+    ]  # fmt: skip
     rec = records(tmp_path / "extended")
     assert [rec[s]["schedule/batch_id"] for s in range(9)] == [float(s) for s in range(9)]  # each launch once
     # the drained queue is refilled from the current policy: delays 0, 1 after update 7, as at a start
     assert [rec[s]["delay/max"] for s in range(9)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0]
+    assert [rec[s]["schedule/launch_version"] for s in range(7, 9)] == [7.0, 7.0]  # both from the checkpoint's policy
     assert [rec[s]["schedule/draining"] for s in range(9)] == [0.0] * 5 + [1.0, 1.0, 1.0, 1.0]

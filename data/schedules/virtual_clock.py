@@ -59,8 +59,10 @@ class VirtualClock(DelaySchedule):
         overlap: Generate in a background thread while the learner trains (it pays off when ``lam > c_gen``).
             With ``--model.gradient_checkpointing`` (which restores torch's global generator in backward)
             ``HFEngine``'s overlapped samples stop being reproducible: turn it off there if runs must repeat.
-        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
-            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
+        refill_on_extend: A resume planning more updates (``--trainer.max_steps`` raised) from a checkpoint taken
+            after the drain began (a finished run's ``last.ckpt``) refills the schedule from the checkpoint's
+            policy, as at a start, and says so in one log line: its records then differ from a run planned that
+            long. ``false``: such a resume is refused. A checkpoint before the drain always extends exactly.
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): they do not change the delays, or (the last) are
@@ -69,7 +71,7 @@ class VirtualClock(DelaySchedule):
 
     def __init__(
         self, c_gen: float = 85.0, lam: float = 28.0, c_update: float = 1.0, max_launches: int = 400,
-        overlap: bool = True, refill_on_extend: bool = False,
+        overlap: bool = True, refill_on_extend: bool = True,
     ) -> None:  # fmt: skip
         check_options("VirtualClock", self.option_problems(c_gen, lam, c_update, max_launches))
         super().__init__()
