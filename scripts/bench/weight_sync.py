@@ -205,7 +205,7 @@ def measure_serve(size: str, folder: str, bucket_bytes: int, learner_dtype: str,
 
 def floor_receiver(port: int, total: int, repeats: int) -> None:
     """The transport floor's other end: receives one broadcast of ``total`` bytes per sync."""
-    from lit_gmc.data.engines.weight_transfer import open_gloo_group
+    from lit_gmc.data.engines.buckets import open_gloo_group
 
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
     buffer = torch.empty(total, dtype=torch.uint8)
@@ -215,8 +215,8 @@ def floor_receiver(port: int, total: int, repeats: int) -> None:
 
 def measure_transport(size: str, repeats: int) -> Iterator[dict]:
     """The floor's transport: one gloo broadcast of the model's bf16 bytes as one buffer, per sync."""
+    from lit_gmc.data.engines.buckets import open_gloo_group
     from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
     weights = random_weights(size, torch.bfloat16, 1)
     flat = torch.empty(sum(t.numel() * 2 for t in weights.values()), dtype=torch.uint8)
@@ -261,14 +261,14 @@ def measure_load(size: str, folder: str) -> Iterator[dict]:
 
 def stand_in_receiver(size: str, port: int, conn) -> None:
     """The stand-in's receiving process: its own copy of the weights, updated as ``receive_update`` completes them."""
-    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_update
+    from lit_gmc.data.engines.buckets import BucketInfo, open_gloo_group, receive_update
 
     weights = random_weights(size, torch.bfloat16, 0)
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
     partial: dict = {}
     while (message := conn.recv()) != "stop":
         if isinstance(message, dict):
-            receive_update(group, GlooUpdateInfo(**message), partial,
+            receive_update(group, BucketInfo(**message), partial,
                            lambda named: [weights[name].copy_(t) for name, t in named])  # fmt: skip
         conn.send("done")
 
@@ -295,8 +295,8 @@ class PipeClient:
 
 def measure_stand_in(size: str, bucket_bytes: int, learner_dtype: str) -> Iterator[dict]:
     """A lower bound: ``BucketSender`` into a plain process that receives and copies, no vLLM and no HTTP."""
+    from lit_gmc.data.engines.buckets import BucketSender, open_gloo_group
     from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import BucketSender, open_gloo_group
 
     weights = random_weights(size, getattr(torch, learner_dtype), 1)
     port, (parent, child) = free_port(), mp.Pipe()
