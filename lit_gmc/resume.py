@@ -199,5 +199,6 @@ def check_resume(ckpt_path: str, dirpath: str | None, settings: Mapping[str, Any
             f"--ckpt_path {path} was saved with other settings, and resuming would change the run:\n  "
             + "\n  ".join(changes)
             + "\nResume with the checkpoint's values, or start a new run in another folder (--trainer.logger's name"
-            " or --checkpoint.dirpath). The options a resume may change are listed in the README (Resuming)."
+            " or --checkpoint.dirpath). The options a resume may change are listed in docs/usage.md (Extending and"
+            " resuming a run)."
         )

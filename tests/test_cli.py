@@ -183,12 +183,15 @@ def test_every_config_parses_and_validates(path):
 
 
 def documented_commands() -> list[list[str]]:
-    """Every ``python -m lit_gmc fit ...`` command of README.md and the configs' comments, as argument lists.
+    """Every ``python -m lit_gmc fit ...`` command of README.md, docs/usage.md, docs/reproduce.md and the configs'
+    comments, as argument lists.
 
     Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``GMC``
     and ``${delay}`` to 128.
     """
-    texts = [(REPO / "README.md").read_text()] + [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
+    documents = ("README.md", "docs/usage.md", "docs/reproduce.md")
+    texts = [(REPO / name).read_text() for name in documents]
+    texts += [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
     commands = []
     for text in texts:
         lines = [line.strip().lstrip("#").strip() for line in text.replace("\\\n", " ").splitlines()]

@@ -1,7 +1,7 @@
 """A resume checks its checkpoint: settings that change the run are refused by flag, a non-checkpoint is named.
 
 The allowed changes (``--trainer.max_steps``, memory and speed knobs, logging, callbacks) are listed in
-``lit_gmc/resume.py`` and the README.
+``lit_gmc/resume.py`` and docs/usage.md.
 """
 
 from __future__ import annotations
