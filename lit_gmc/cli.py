@@ -27,6 +27,7 @@ from lit_gmc.callbacks.progress import ProgressLines
 from lit_gmc.checkpoint import RunCheckpoint
 from lit_gmc.data.datamodule import RolloutDataModule, TokenizerSetup
 from lit_gmc.data.engines import vllm, vllm_serve  # noqa: F401  (the short names VLLMEngine, VLLMServers, ...)
+from lit_gmc.data.engines.base import Sampling
 from lit_gmc.data.schedules import live, virtual_clock  # noqa: F401
 from lit_gmc.data.tasks import addition, math  # noqa: F401
 from lit_gmc.data.tasks.base import prompt_problem
@@ -56,6 +57,7 @@ def collect_problems(config: Namespace, given_class: Callable[[str], str | None]
     problems = component_problems(GMCModule, vars(config.model), "--model")
     problems += class_problems(config.model.correction, "--model.correction")
     problems += component_problems(RolloutDataModule, vars(config.data), "--data")
+    problems += component_problems(Sampling, vars(config.data.sampling), "--data.sampling")
     for key in DATA_COMPONENTS:
         problems += class_problems(config.data[key], f"--data.{key}")
     problems += unresolved_problems(config.get("optimizer"), "--optimizer", given_class)
@@ -154,7 +156,7 @@ class GMCCLI(LightningCLI):
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.link_arguments("model.actor", "data.actor")
         parser.link_arguments("data.max_new_tokens", "model.max_response_length")
-        parser.link_arguments("data.temperature", "model.temperature")
+        parser.link_arguments("data.sampling.temperature", "model.temperature")
         parser.link_arguments("trainer.max_steps", "data.total_updates")
         parser.add_argument(
             "--optimizer",

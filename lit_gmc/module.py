@@ -49,7 +49,7 @@ class GMCModule(pl.LightningModule):
         lr_scheduler: Set with ``--lr_scheduler``; ``null``: ``CosineWithWarmup`` without warm-up, decaying to 0 at
             ``--trainer.max_steps``.
         max_response_length: ``T``, the loss normaliser (linked to ``--data.max_new_tokens``).
-        temperature: Temperature of the behaviour policy (linked to ``--data.temperature``).
+        temperature: Temperature of the behaviour policy (linked to ``--data.sampling.temperature``).
         max_grad_norm: Global gradient-norm clip; ``null`` disables it.
         micro_batch_groups: Groups per forward/backward pass (whole groups, so group statistics are exact).
         logit_chunk_tokens: Response positions per LM-head chunk (bounds logits memory).

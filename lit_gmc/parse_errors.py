@@ -21,7 +21,7 @@ import yaml
 
 import lit_gmc.rules
 from lit_gmc.data.datamodule import RolloutDataModule
-from lit_gmc.resume import DATA_COMPONENTS
+from lit_gmc.resume import DATA_COMPONENTS, RENAMED
 
 
 def bad_value(message: str) -> tuple[str, str] | None:
@@ -184,7 +184,12 @@ PARSE_ERRORS = (foreign_option, unknown_rule, unknown_component, unimportable_fu
 
 
 def closest(name: str, names: list[str]) -> str:
-    """`` (did you mean --a or --b?)`` for the option names closest to ``name`` (dotted keys), else ``""``."""
+    """`` (did you mean --a or --b?)`` for the option names closest to ``name`` (dotted keys), else ``""``.
+
+    An option that moved (:data:`~lit_gmc.resume.RENAMED`) gets its new flag instead.
+    """
+    if (moved := RENAMED.get(f"--{name}")) is not None:
+        return f" (it moved: {moved})"
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
     return f" (did you mean {' or '.join('--' + match for match in close)}?)" if close else ""
 

@@ -33,6 +33,12 @@ LINKED = frozenset({
     "--data.actor", "--model.max_response_length", "--model.temperature",  # linked: --model.actor, --data.*
     "--model.optimizer", "--model.lr_scheduler",  # linked from --optimizer and --lr_scheduler, compared there
 })  # fmt: skip
+# Options that moved (issue 51): a checkpoint that records one under its old flag is compared under the new one.
+RENAMED = {
+    "--data.temperature": "--data.sampling.temperature", "--data.top_p": "--data.sampling.top_p",
+    "--data.recompute_behavior_logprobs": "--data.engine.recompute_behavior_logprobs",
+    "--data.refill_on_extend": "--data.schedule.refill_on_extend",
+}  # fmt: skip
 # What makes a dict a lit_gmc training checkpoint (a Lightning checkpoint with our DataModule's state).
 CHECKPOINT_KEYS = ("pytorch-lightning_version", "state_dict", "hyper_parameters", "RolloutDataModule")
 
@@ -65,8 +71,13 @@ def run_settings(config: Namespace) -> dict[str, Any]:
 
 
 def component_settings(flag: str, value: Any) -> dict[str, Any]:
-    """``{flag: value}``; for a component (``class_path`` + ``init_args``), its class and then each option's flag."""
+    """``{flag: value}``; for a component (``class_path`` + ``init_args``), its class and then each option's flag.
+
+    A group of options (``--data.sampling``) gives each option's flag.
+    """
     value = plain(value)
+    if isinstance(value, dict) and flag.startswith("--data.") and not value.get("class_path"):
+        return {f"{flag}.{key}": item for key, item in value.items()}
     if flag not in COMPONENT_FLAGS or not (isinstance(value, dict) and value.get("class_path")):
         return {flag: value}
     options = value.get("init_args") or {}
@@ -74,14 +85,19 @@ def component_settings(flag: str, value: Any) -> dict[str, Any]:
 
 
 def saved_settings(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings a checkpoint records; for one written before they were, its saved hyperparameters."""
+    """The settings a checkpoint records, under today's flags (:data:`RENAMED`).
+
+    A checkpoint written before settings were recorded gives its saved hyperparameters.
+    """
     if SETTINGS_KEY in checkpoint:
-        return dict(checkpoint[SETTINGS_KEY])
-    saved = {}
-    for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
-        hparams = checkpoint.get(key) or {}
-        saved.update({f"--{group}.{name}": plain(value) for name, value in hparams.items() if not name.startswith("_")})
-    return saved
+        saved = dict(checkpoint[SETTINGS_KEY])
+    else:
+        saved = {}
+        for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
+            hparams = checkpoint.get(key) or {}
+            saved.update({f"--{group}.{name}": plain(value) for name, value in hparams.items()
+                          if not name.startswith("_")})  # fmt: skip
+    return {RENAMED.get(flag, flag): value for flag, value in saved.items()}
 
 
 def may_change(flag: str, settings: Mapping[str, Any], owners: Mapping[str, type]) -> bool:
@@ -183,5 +199,6 @@ def check_resume(ckpt_path: str, dirpath: str | None, settings: Mapping[str, Any
             f"--ckpt_path {path} was saved with other settings, and resuming would change the run:\n  "
             + "\n  ".join(changes)
             + "\nResume with the checkpoint's values, or start a new run in another folder (--trainer.logger's name"
-            " or --checkpoint.dirpath). The options a resume may change are listed in the README (Resuming)."
+            " or --checkpoint.dirpath). The options a resume may change are listed in docs/usage.md (Extending and"
+            " resuming a run)."
         )

@@ -34,9 +34,10 @@ What is counted (GiB = 2**30 bytes), for one micro-batch of ``sequences`` rows o
   prefetched) and of the root unit (FSDP2 keeps the root gathered from forward through backward), and the
   root's unsharded head gradient, reduce-scattered only when the backward ends.
 
-- The behaviour recompute (``--data.recompute_behavior_logprobs``, off by default; ``--recompute-behavior-logprobs``
-  here): a second full copy of the actor in the learner's parameter dtype on the engine owner's device (global rank
-  0), resident for the whole run; its forward-only scoring runs between updates, never beside the backward's peak.
+- The behaviour recompute (``--data.engine.recompute_behavior_logprobs``, off by default;
+  ``--recompute-behavior-logprobs`` here): a second full copy of the actor in the learner's parameter dtype on the
+  engine owner's device (global rank 0), resident for the whole run; its forward-only scoring runs between updates,
+  never beside the backward's peak.
 
 Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), gradient temporaries of the
 layer being back-propagated, and the rollout engine (colocated vLLM takes ``gpu_memory_utilization`` of the GPU
@@ -212,7 +213,7 @@ def single_gpu(arch: Arch, setting: Setting, work: Workload, recompute: bool = F
     """Every part of one GPU's peak, in GiB, plus ``resident`` (model states kept between steps) and ``peak``.
 
     ``recompute_copy`` is the behaviour recompute's model copy, counted in ``resident`` and ``peak`` only when
-    ``recompute`` is on (``--data.recompute_behavior_logprobs``).
+    ``recompute`` is on (``--data.engine.recompute_behavior_logprobs``).
     """
     states = state_parts(arch, setting)
     acts = activation_parts(arch, setting, work)
@@ -340,7 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategy", nargs="+", choices=["ddp", "fsdp2"], default=["ddp", "fsdp2"],
                         help="--trainer.strategy values in the per-rank table")  # fmt: skip
     parser.add_argument("--recompute-behavior-logprobs", action="store_true",
-                        help="count the recompute's model copy (--data.recompute_behavior_logprobs)")  # fmt: skip
+                        help="count the recompute's model copy "
+                             "(--data.engine.recompute_behavior_logprobs)")  # fmt: skip
     return parser.parse_args(argv)
 
 

@@ -4,7 +4,7 @@
 
 With ``--min-rise`` it is a check (CI's, on the default run): exit status 1, with one line, when the rise is below
 the bound. A bound, not a value: the default run's records differ between CPUs (their float kernels differ), so
-its figures differ too (README.md gives the ones measured, with the machines).
+its figures differ too (docs/usage.md gives the ones measured, with the machines).
 """
 
 from __future__ import annotations

@@ -43,9 +43,10 @@ SCHEDULES = {
 }
 
 
-def tiny_data(delay: int = 8, **kwargs: Any) -> RolloutDataModule:
-    """The embedded default's data side (addition, HF engine, ``FixedDelay(delay)``) for direct Trainer tests."""
-    return RolloutDataModule(Addition(), HFEngine(), FixedDelay(delay), **kwargs)
+def tiny_data(delay: int = 8, engine: HFEngine | None = None, **kwargs: Any) -> RolloutDataModule:
+    """The embedded default's data side (addition, ``engine`` or an HF engine, ``FixedDelay(delay)``) for direct
+    Trainer tests."""
+    return RolloutDataModule(Addition(), engine or HFEngine(), FixedDelay(delay), **kwargs)
 
 
 def component(class_path: str, **init_args: Any) -> dict[str, Any]:

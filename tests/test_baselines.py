@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from run_helpers import tiny_data
 
+import lit_gmc.rules
 from lit_gmc import objectives as O
 from lit_gmc.batch import RolloutGroup, collate_groups
 from lit_gmc.callbacks.weight_sync import WeightSync
@@ -168,6 +169,37 @@ def test_rule_gradient_equals_equation_written_out(name, float64_actor_dir, char
     reference = flat_grad(sum((ki.detach() * x).sum() for ki, x in zip(k, lp, strict=True)), model)
     assert reference.norm() > 0
     torch.testing.assert_close(learner, reference, rtol=1e-9, atol=1e-12)
+
+
+STD_NORMALISED = frozenset({"VCPO", "CISPO"})
+"""Rules whose advantage is divided by the group's reward std: a reward's scale does not change their gradient."""
+
+
+@pytest.mark.parametrize("name", list(lit_gmc.rules.registered()))
+def test_every_rule_ignores_a_reward_shift_and_scales_with_the_reward_range(name, float64_actor_dir, char_tokenizer,
+                                                                            float64_rmsnorm):  # fmt: skip
+    """Why a task's reward need not lie in [0, 1] (``Task.score``): every rule's gradient is the same for rewards
+    ``r`` and ``r - 3`` (group advantages are differences), and for ``10 r`` it is 10 times as large, except for the
+    rules in :data:`STD_NORMALISED`, for which it is the same."""
+    model = load_module(float64_actor_dir, "gmc").actor
+    batch = make_batch(model, char_tokenizer)
+    delays = torch.tensor([0] * G + [5] * G)
+    rule = lit_gmc.rules.registered()[name]()
+    norms = brute_force_grad_norms_sq(model, batch) if rule.needs_grad_norms else None
+
+    def gradient(rewards: torch.Tensor) -> torch.Tensor:
+        out = rule(terms_for(model, replace(batch, rewards=rewards), delays, norms))
+        n, tokens = rewards.numel(), int(batch.response_mask.sum())
+        loss = O.aggregate_loss(out.token_loss, batch.response_mask, rule.aggregation, max_length=T_MAX,
+                                total_sequences=n, total_tokens=tokens)  # fmt: skip
+        return flat_grad(loss, model)
+
+    rewards = batch.rewards.double()  # shifted in float32, 0.2 - 3 would already differ by a rounding of 3
+    base = gradient(rewards)
+    assert base.norm() > 0
+    torch.testing.assert_close(gradient(rewards - 3.0), base, rtol=1e-9, atol=1e-12)
+    scale = 1.0 if name in STD_NORMALISED else 10.0
+    torch.testing.assert_close(gradient(10.0 * rewards), scale * base, rtol=1e-9, atol=1e-12)
 
 
 def test_fixture_exercises_truncation_and_masking(float64_actor_dir, char_tokenizer):

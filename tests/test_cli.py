@@ -82,13 +82,35 @@ def test_the_overrides_users_type_reach_the_config():
     assert config.data.total_updates == 33
 
 
+def test_options_of_the_data_components_are_theirs_and_the_old_flags_name_the_new_ones(monkeypatch):
+    """Issue 51: the sampling distribution is one group, the behaviour recompute an engine's option, the refill on
+    extension a schedule's; the learner's temperature follows the sampling one."""
+    config = parse("--data.sampling.temperature", "0.7", "--data.sampling.top_p", "0.9",
+                   "--data.engine.recompute_behavior_logprobs", "true",
+                   "--data.schedule.refill_on_extend", "false")  # fmt: skip
+    assert config.data.sampling.as_dict() == {"temperature": 0.7, "top_p": 0.9} and config.model.temperature == 0.7
+    assert config.data.engine.init_args.recompute_behavior_logprobs is True
+    assert config.data.schedule.init_args.refill_on_extend is False
+    for old, new in (("--data.temperature", "--data.sampling.temperature"), ("--data.top_p", "--data.sampling.top_p"),
+                     ("--data.recompute_behavior_logprobs", "--data.engine.recompute_behavior_logprobs"),
+                     ("--data.refill_on_extend", "--data.schedule.refill_on_extend")):  # fmt: skip
+        value = "0.5" if old in ("--data.temperature", "--data.top_p") else "true"
+        line = main_error_line(monkeypatch, "fit", old, value)
+        assert line == f"lit_gmc: error: {old}: no such option (it moved: {new})"
+    stderr = main_stderr(monkeypatch, "fit", "--data.sampling.temperature", "0", "--data.sampling.top_p", "2")
+    assert stderr.splitlines()[-2:] == ["  --data.sampling.temperature=0.0 must be > 0 for training rollouts",
+                                        "  --data.sampling.top_p=2.0 must be in (0, 1]"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("args", "class_path", "init_args"),
     [
-        (["--data.schedule.delay", "32"], "lit_gmc.data.schedules.base.FixedDelay", {"delay": 32}),
+        (["--data.schedule.delay", "32"], "lit_gmc.data.schedules.base.FixedDelay",
+         {"delay": 32, "refill_on_extend": True}),
         (["--data.schedule", "VirtualClock", "--data.schedule.lam", "920"],
          "lit_gmc.data.schedules.virtual_clock.VirtualClock",
-         {"c_gen": 85.0, "lam": 920.0, "c_update": 1.0, "max_launches": 400, "overlap": True}),
+         {"c_gen": 85.0, "lam": 920.0, "c_update": 1.0, "max_launches": 400, "overlap": True,
+          "refill_on_extend": True}),
         (["--data.schedule", "Live", "--data.schedule.chunk_prompts", "2"], "lit_gmc.data.schedules.live.Live",
          {"workers": 1, "chunk_prompts": 2, "max_staleness": None, "join_timeout_s": 60.0}),
     ],
@@ -161,12 +183,15 @@ def test_every_config_parses_and_validates(path):
 
 
 def documented_commands() -> list[list[str]]:
-    """Every ``python -m lit_gmc fit ...`` command of README.md and the configs' comments, as argument lists.
+    """Every ``python -m lit_gmc fit ...`` command of README.md, docs/usage.md, docs/reproduce.md and the configs'
+    comments, as argument lists.
 
     Continued lines are joined, comments and ``[optional ...]`` tails dropped, a loop's ``$rule`` set to ``GMC``
     and ``${delay}`` to 128.
     """
-    texts = [(REPO / "README.md").read_text()] + [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
+    documents = ("README.md", "docs/usage.md", "docs/reproduce.md")
+    texts = [(REPO / name).read_text() for name in documents]
+    texts += [p.read_text() for p in (REPO / "configs").rglob("*.yaml")]
     commands = []
     for text in texts:
         lines = [line.strip().lstrip("#").strip() for line in text.replace("\\\n", " ").splitlines()]

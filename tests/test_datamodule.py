@@ -6,6 +6,7 @@ import pytest
 import torch
 from run_helpers import fit, main_error_line, tiny_data, write_config
 
+from lit_gmc.data.engines.hf import HFEngine
 from lit_gmc.data.engines.recompute import BehaviorRecompute
 from lit_gmc.data.tasks.addition import Addition
 from lit_gmc.errors import UserError
@@ -14,7 +15,7 @@ from lit_gmc.errors import UserError
 @pytest.mark.parametrize("recompute", [False, True])
 def test_setup_after_teardown_starts_the_engine_again(recompute):
     dm = tiny_data(0, group_size=2, batch_prompts=2, max_new_tokens=3, total_updates=4,
-                   recompute_behavior_logprobs=recompute)  # fmt: skip
+                   engine=HFEngine(recompute_behavior_logprobs=recompute))  # fmt: skip
     prompts = []
     for _ in range(2):
         dm.setup("fit")

@@ -2,8 +2,9 @@
 
 On a delay-0 row the learner's weights are the ones that sampled it, so ``log rho`` is 0 in exact arithmetic and
 what the diagnostics log there is numerics alone: per sequence and per token, and how many on-policy groups GMC
-would rescale or TIC would drop for that reason. With ``recompute_behavior_logprobs`` the behaviour log-probs come
-from the learner's own computation (its precision context, chunking and batch layout) and the gap is exactly 0.
+would rescale or TIC would drop for that reason. With the engine's ``recompute_behavior_logprobs`` the behaviour
+log-probs come from the learner's own computation (its precision context, chunking and batch layout) and the gap is
+exactly 0.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_recompute_makes_the_on_policy_gap_exactly_zero_and_both_are_logged(tmp_
         name = f"recompute_{recompute}"
         # configs/tiny.yaml, which run tests start from, has the Diagnostics callback
         config = write_config(tmp_path, name, total=3, schedule=component("Sync", inner_steps=1))
-        fit(config, "--data.recompute_behavior_logprobs", str(recompute).lower())
+        fit(config, "--data.engine.recompute_behavior_logprobs", str(recompute).lower())
         scalars = read_scalars(tmp_path / name)
         gaps[recompute] = {tag: [v for _, v in points] for tag, points in scalars.items()
                            if tag.startswith(("diag/gap/", "mismatch/", "schedule/engine_gap"))}  # fmt: skip

@@ -438,7 +438,7 @@ def test_qwen_configs_hold_the_paper_defaults(fragment, actor, capsys):
     assert correction["class_path"] == "lit_gmc.rules.GMC"
     assert (correction["init_args"]["cap"], correction["init_args"]["aggregation"]) == (0.28, "seq_sum_over_T")
     assert (data["batch_prompts"], data["group_size"]) == (8, 8)
-    assert (data["max_new_tokens"], data["temperature"], data["top_p"]) == (4096, 1.0, 1.0)
+    assert (data["max_new_tokens"], data["sampling"]) == (4096, {"temperature": 1.0, "top_p": 1.0})
     # 1.7B: vLLM in the learner's process on one GPU (the paper's layout (a)); 4B and 8B: a `vllm serve` of their own
     engine = "engines.vllm.VLLMEngine" if actor == "1.7B" else "engines.vllm_serve.VLLMServers"
     assert data["engine"]["class_path"] == f"lit_gmc.data.{engine}"

@@ -39,7 +39,7 @@ def resumed_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     config = write_config(root, "run", total=2, every=2, schedule=component("FixedDelay", delay=1))
     fit(config)
-    fit(config, "--trainer.max_steps", "4", "--data.refill_on_extend", "true", "--ckpt_path", "last")
+    fit(config, "--trainer.max_steps", "4", "--ckpt_path", "last")
     path = root / "run" / "checkpoints" / "last.ckpt"
     assert torch.load(path, weights_only=True)["global_step"] == 4
     return path

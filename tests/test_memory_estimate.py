@@ -191,7 +191,7 @@ def test_main_prints_both_tables(capsys):
 
 @pytest.mark.parametrize("key", sorted(mem.QWEN3))
 def test_the_behaviour_recompute_copy_is_counted_only_when_on(key):
-    """``--data.recompute_behavior_logprobs`` keeps a whole second actor in the learner's dtype (fp32 masters: 4
+    """``--data.engine.recompute_behavior_logprobs`` keeps a whole second actor in the learner's dtype (fp32 masters: 4
     bytes a parameter, 16 GiB at 4B); off (the default) it costs nothing."""
     arch, setting, work = mem.QWEN3[key], mem.SETTINGS[0], mem.Workload()
     off, on = mem.single_gpu(arch, setting, work), mem.single_gpu(arch, setting, work, recompute=True)

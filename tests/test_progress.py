@@ -73,8 +73,7 @@ def test_the_terminal_bar_counts_updates_to_max_steps_after_a_resume(tmp_path, m
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
     config = write_config(tmp_path, "bar", total=2, every=2)
     fit(config, "--trainer.enable_progress_bar", "true")
-    trainer = fit(config, "--trainer.enable_progress_bar", "true", "--trainer.max_steps", "3",
-                  "--data.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
+    trainer = fit(config, "--trainer.enable_progress_bar", "true", "--trainer.max_steps", "3", "--ckpt_path", "last")
     bar = trainer.trainer.progress_bar_callback
     assert isinstance(bar, UpdateProgressBar)
     task = bar.progress.tasks[bar.train_progress_bar_id]

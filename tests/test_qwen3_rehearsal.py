@@ -198,8 +198,8 @@ def test_the_simulated_suite_runs_and_resumes_on_cpu(tmp_path, actor, shared_dat
     configs = [*QWEN3, "--config", str(REPO / "configs" / "experiment" / "simulated_async.yaml")]
     first = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=2))
     assert first.returncode == 0, first.stderr[-5000:]
-    resumed = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4), "--data.refill_on_extend",
-                  "true", "--ckpt_path", "last")  # its 2-update plan drained: extended by a refill  # fmt: skip
+    # its 2-update plan drained: extended by a refill (the schedule's refill_on_extend, on by default)
+    resumed = run(tmp_path, *configs, *cpu_overrides(actor, shared_data, steps=4), "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "Restored all states from the checkpoint" in resumed.stderr + resumed.stdout
     check_rehearsal(tmp_path / "runs" / "simulated_async" / "math_actor", actor, suite="simulated_async")

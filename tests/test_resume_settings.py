@@ -1,11 +1,12 @@
 """A resume checks its checkpoint: settings that change the run are refused by flag, a non-checkpoint is named.
 
 The allowed changes (``--trainer.max_steps``, memory and speed knobs, logging, callbacks) are listed in
-``lit_gmc/resume.py`` and the README.
+``lit_gmc/resume.py`` and docs/usage.md.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,7 +21,15 @@ from test_cli import parse
 import lit_gmc.resume
 from lit_gmc.cli import OPTION_OWNERS
 from lit_gmc.errors import UserError
-from lit_gmc.resume import SETTINGS_KEY, changed_settings, check_resume, checkpoint_file, read_checkpoint, run_settings
+from lit_gmc.resume import (
+    SETTINGS_KEY,
+    changed_settings,
+    check_resume,
+    checkpoint_file,
+    read_checkpoint,
+    run_settings,
+    saved_settings,
+)
 
 DELAY2 = {"schedule": component("FixedDelay", delay=2)}
 
@@ -69,13 +78,14 @@ def test_another_schedule_class_is_one_line(finished):
 
 
 def test_allowed_changes_resume(tmp_path):
-    """More steps (from a drained checkpoint: with --data.refill_on_extend), other memory knobs, threads, display and
-    checkpoint options: the run goes on from its checkpoint."""
-    config = write_config(tmp_path, "grow", total=2, every=2, **DELAY2)
+    """More steps (from a drained checkpoint, with the refill a resume may turn on), other memory knobs, threads,
+    display and checkpoint options: the run goes on from its checkpoint."""
+    schedule = component("FixedDelay", delay=2, refill_on_extend=False)  # a resume may turn it on
+    config = write_config(tmp_path, "grow", total=2, every=2, schedule=schedule)
     fit(config)
     fit(config, "--trainer.max_steps", "3", "--model.micro_batch_groups", "1", "--model.logit_chunk_tokens", "2",
         "--torch_num_threads", "1", "--trainer.enable_model_summary", "true", "--checkpoint.every_n_train_steps", "1",
-        "--data.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
+        "--data.schedule.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
     assert sorted(records(tmp_path / "grow")) == [0, 1, 2]
 
 
@@ -124,6 +134,22 @@ def test_rule_optimizer_and_schedule_options_are_compared_flag_by_flag():
         "--optimizer: 'torch.optim.SGD' in the checkpoint, 'torch.optim.AdamW' now",
         "--lr_scheduler.warmup_fraction: 0.1 in the checkpoint, 0.0 now",
     ]
+
+
+def test_a_checkpoint_from_before_the_options_moved_compares_them_under_their_new_flags():
+    """Issue 51 moved four ``--data`` options into the components they belong to; a checkpoint written before (its
+    settings under the old flags) resumes, and a change of one of them is still refused, by its new flag."""
+    now = settings_of("--data.engine.recompute_behavior_logprobs", "true")
+    old_flags = {new: old for old, new in lit_gmc.resume.RENAMED.items()}
+    written_before = {old_flags.get(flag, flag): value for flag, value in now.items()}
+    assert {"--data.temperature", "--data.top_p", "--data.recompute_behavior_logprobs"} <= set(written_before)
+    saved = saved_settings({SETTINGS_KEY: written_before})
+    assert saved == now and changed_settings(saved, now, OPTION_OWNERS) == []
+    other = settings_of("--data.sampling.temperature", "0.7", "--data.schedule.refill_on_extend", "false")
+    assert changed_settings(saved, other, OPTION_OWNERS) == [
+        "--data.engine.recompute_behavior_logprobs: True in the checkpoint, False now",
+        "--data.sampling.temperature: 1.0 in the checkpoint, 0.7 now",
+    ]  # refill_on_extend is the resume's own choice
 
 
 def test_a_checkpoint_from_before_the_settings_compares_its_hyperparameters(tmp_path):
@@ -185,11 +211,12 @@ def test_each_class_declares_the_options_a_resume_may_change_and_resume_names_no
 
     from lit_gmc.data.engines.vllm import VLLMEngine
     from lit_gmc.data.engines.vllm_serve import VLLMServers
+    from lit_gmc.data.schedules.base import FixedDelay, Sync
     from lit_gmc.data.schedules.live import Live
     from lit_gmc.data.schedules.virtual_clock import VirtualClock
     from lit_gmc.data.tasks.math import Math
 
-    for owner in (*OPTION_OWNERS.values(), VirtualClock, Live, VLLMEngine, VLLMServers, Math):
+    for owner in (*OPTION_OWNERS.values(), FixedDelay, Sync, VirtualClock, Live, VLLMEngine, VLLMServers, Math):
         parameters = inspect.signature(owner.__init__).parameters
         assert owner.may_change_on_resume and owner.may_change_on_resume <= set(parameters), owner.__name__
     assert '"lit_gmc.' not in inspect.getsource(lit_gmc.resume)  # no class path kept as a string
@@ -206,11 +233,30 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh(tmp_path):
     assert Path(tmp_path / "fresh" / "checkpoints" / "last.ckpt").exists()
 
 
+class LightningLines(logging.Handler):
+    """The lines Lightning's console logger prints (``rank_zero_info``), while installed with ``with``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> LightningLines:
+        logging.getLogger("lightning.pytorch").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("lightning.pytorch").removeHandler(self)
+
+
 @pytest.mark.slow
 def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_that_long(tmp_path, monkeypatch):
-    """A 4-update run resumed with --trainer.max_steps 7: from its last checkpoint (taken in FixedDelay's drain)
-    the resume is refused, saying how to extend; from its checkpoint at update 2 (before the drain) it gives the
-    records of a 7-update run; --data.refill_on_extend true goes on from a drained checkpoint with a new fill.
+    """A 4-update run resumed with --trainer.max_steps 7 from its checkpoint at update 2 (before FixedDelay's drain)
+    gives the records of a 7-update run, with the schedule's refill_on_extend on (the default); from its last
+    checkpoint (in the drain) that resume is refused with refill_on_extend false, saying how to extend. The 7-update
+    run's own last.ckpt (drained) extended to 9 updates refills the queue from its policy, and one log line says so.
 
     The learning rate follows ``--lr_scheduler.total_steps`` (else each invocation's --trainer.max_steps), set to
     the final length here so that the rates, and so the records, match the 7-update run."""
@@ -220,24 +266,33 @@ def test_a_run_extended_from_before_its_drain_has_the_records_of_a_run_planned_t
     config = write_config(tmp_path, "extended", total=4, **options)
     fit(config, *lr)
     assert main_error_line(monkeypatch, "fit", "--config", str(config), *lr, "--trainer.max_steps", "7",
-                           "--ckpt_path", "last") == (
+                           "--data.schedule.refill_on_extend", "false", "--ckpt_path", "last") == (
         "lit_gmc: error: --trainer.max_steps 7 extends a run planned for 4 updates, but its checkpoint (at update 4) "
         "was taken after FixedDelay began its drain at update 2 (it stopped generating for the planned end), a state "
         "no run planned for 7 updates reaches. To extend it as if planned for 7 from the start, resume from a "
         "checkpoint at or before update 2 (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or "
-        "add --data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
-        "restart from 0)"
+        "leave --data.schedule.refill_on_extend true (the default) to refill the schedule from the checkpoint's "
+        "policy, as at a start (delays restart from 0)"
     )  # fmt: skip
     (before_drain,) = (tmp_path / "extended" / "checkpoints").glob("*step=2.ckpt")
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, LightningLines() as log:
         warnings.simplefilter("always")
         fit(config, *lr, "--trainer.max_steps", "7", "--ckpt_path", str(before_drain))
     assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its own folder: no warning
+    assert not [line for line in log.lines if "refilled" in line]  # the exact path: nothing to say
     assert_same_records(records(tmp_path / "extended"), records(tmp_path / "planned"))
 
-    fit(config, *lr, "--trainer.max_steps", "9", "--data.refill_on_extend", "true", "--ckpt_path", "last")
+    with LightningLines() as log:
+        fit(config, *lr, "--trainer.max_steps", "9", "--ckpt_path", "last")
+    assert [line for line in log.lines if "refilled" in line] == [
+        "extending a run planned for 7 updates to 9 from its checkpoint at update 7, taken after FixedDelay began its "
+        "drain at update 5: the schedule is refilled from the checkpoint's policy (delays restart from 0), so the "
+        "records differ from a run planned for 9 updates from the start, which a checkpoint at or before update 5 "
+        "would give (--data.schedule.refill_on_extend false refuses this resume)"
+    ]  # fmt: skip
     rec = records(tmp_path / "extended")
     assert [rec[s]["schedule/batch_id"] for s in range(9)] == [float(s) for s in range(9)]  # each launch once
     # the drained queue is refilled from the current policy: delays 0, 1 after update 7, as at a start
     assert [rec[s]["delay/max"] for s in range(9)] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0]
+    assert [rec[s]["schedule/launch_version"] for s in range(7, 9)] == [7.0, 7.0]  # both from the checkpoint's policy
     assert [rec[s]["schedule/draining"] for s in range(9)] == [0.0] * 5 + [1.0, 1.0, 1.0, 1.0]

@@ -13,7 +13,7 @@ def test_a_resumed_run_continues_its_tensorboard_version_and_counts_from_the_res
     config = write_config(tmp_path, "resumed", total=2, every=2)
     fit(config, "--trainer.enable_progress_bar", "true", "--progress_every", "1")
     fit(config, "--trainer.enable_progress_bar", "true", "--progress_every", "1", "--trainer.max_steps", "4",
-        "--data.refill_on_extend", "true", "--ckpt_path", "last")  # fmt: skip
+        "--ckpt_path", "last")  # fmt: skip
     lines = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("update ")]
     assert lines == ["update 1/2", "update 2/2", "update 3/4", "update 4/4"]
     assert sorted(p.name for p in (tmp_path / "resumed").glob("version_*")) == ["version_0"]  # one run in TensorBoard
@@ -48,7 +48,7 @@ def test_a_new_run_beside_another_run_s_checkpoints_is_refused_naming_the_folder
     with pytest.raises(UserError, match=f"--checkpoint.dirpath {folder} holds another run's checkpoints \\(epoch="):
         fit(config)
     assert not any(path.name.startswith("last-") for path in folder.iterdir())  # nothing written beside them
-    fit(config, "--trainer.max_steps", "2", "--data.refill_on_extend", "true", "--ckpt_path", "last")  # as offered
+    fit(config, "--trainer.max_steps", "2", "--ckpt_path", "last")  # a finished run extended: refilled
 
 
 def test_a_run_without_a_logger_name_is_named_after_its_task_and_model(tmp_path):

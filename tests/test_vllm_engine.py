@@ -182,9 +182,10 @@ def test_tiny_fit_with_the_vllm_engine(tmp_path):
             {"class_path": "lit_gmc.callbacks.diagnostics.Diagnostics"}],
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": "tb"}}},
-        "data": {"engine": {"class_path": "lit_gmc.data.engines.vllm.VLLMEngine"},
+        "data": {"engine": {"class_path": "lit_gmc.data.engines.vllm.VLLMEngine",
+                            "init_args": {"recompute_behavior_logprobs": True}},
                  "schedule": {"class_path": "lit_gmc.data.schedules.base.FixedDelay", "init_args": {"delay": 0}},
-                 "batch_prompts": 4, "recompute_behavior_logprobs": True},
+                 "batch_prompts": 4},
         "checkpoint": {"every_n_train_steps": 0, "save_last": False, "save_top_k": 0},
     }))  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lit_gmc", "fit", "--config", str(config)], cwd=tmp_path,

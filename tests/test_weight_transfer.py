@@ -2,7 +2,9 @@
 
 Rank 0 runs :class:`BucketSender` as the learner does; rank 1 answers each ``/update_weights`` with
 :func:`receive_update`, the receive of the ``gloo`` worker engine (the vLLM servers' side is covered end to end in
-``tests/test_vllm_serve.py``). The calls are what the servers would get over HTTP.
+``tests/test_vllm_serve.py``). The calls are what the servers would get over HTTP. The bucket stream is plain torch
+(``data/engines/buckets.py``), so these tests run without vLLM; only those marked ``needs_vllm`` (vLLM's packed and
+IPC formats, its trainer engine) skip where it is missing.
 """
 
 from __future__ import annotations
@@ -12,14 +14,25 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import pytest
 import torch
 
+from lit_gmc.data.engines.buckets import (
+    BucketInfo,
+    BucketSender,
+    _drop,
+    open_gloo_group,
+    receive_announcement,
+    receive_bucket,
+    receive_update,
+)
 from lit_gmc.data.engines.vllm import INSTALL_HINT
+from lit_gmc.data.engines.vllm_serve import free_port
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"vLLM is not installed: {INSTALL_HINT}")
 
 
 class LoopbackClient:
@@ -36,12 +49,8 @@ class LoopbackClient:
         self.received.update(named)
 
     def update_weights(self, update_info: dict) -> None:
-        from dataclasses import asdict
-
-        from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, receive_update
-
         self.calls += 1
-        info = GlooUpdateInfo(**json.loads(json.dumps(update_info)))  # what HTTP would carry
+        info = BucketInfo(**json.loads(json.dumps(update_info)))  # what HTTP would carry
         self.announced += [asdict(bucket) for bucket in receive_update(self.group, info, self.partial, self.load)]
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -51,9 +60,6 @@ class LoopbackClient:
 @pytest.fixture
 def gloo_pair():
     """Ranks 0 and 1 of one gloo group (each opens its end on its own thread: the rendezvous waits for both)."""
-    from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import open_gloo_group
-
     port = free_port()
     with ThreadPoolExecutor(max_workers=2) as pool:
         ends = [pool.submit(open_gloo_group, "127.0.0.1", port, rank, 2, 20) for rank in (0, 1)]
@@ -88,8 +94,6 @@ def sent_buffers(group, storages: set[int], bucket_bytes: int = 0):
 
 @pytest.mark.parametrize("bucket_bytes", [2, 10, 16, 64, 1 << 20])
 def test_every_tensor_arrives_cast_exactly_and_whole_through_two_buffers(gloo_pair, bucket_bytes):
-    from lit_gmc.data.engines.weight_transfer import BucketSender
-
     client, storages = LoopbackClient(gloo_pair[1]), set()
     sender = BucketSender(client, sent_buffers(gloo_pair[0], storages, bucket_bytes), bucket_bytes, torch.bfloat16)
     tensors = model_like()
@@ -108,12 +112,30 @@ def test_every_tensor_arrives_cast_exactly_and_whole_through_two_buffers(gloo_pa
         assert len(pieces) > 1 and [s for s, _ in pieces] == [0] + [e for _, e in pieces[:-1]] and pieces[-1][1] == 35
 
 
+@pytest.mark.parametrize(("sizes", "per_bucket"), [((7, 6), [4, 4, 4, 1]), ((4, 4), [4, 4]), ((3, 0), [3])],
+                         ids=["last-partial", "last-full", "last-tensor-empty"])  # fmt: skip
+def test_the_last_bucket_arrives_whether_partial_full_or_closed_by_a_tensor_of_no_elements(gloo_pair, sizes,
+                                                                                           per_bucket):  # fmt: skip
+    """The end of the stream, on buckets of 4 elements: a last bucket that no tensor fills is sent by the send itself,
+    a full one by the copy that fills it, a tensor of no elements is announced in the bucket it closes. Every
+    element is announced once, in ceil(N / 4) buckets, and every tensor arrives exactly, the last one included.
+    Plain torch: this runs where vLLM is not installed (``scripts/mutations.toml``: ``bucket-last-dropped``)."""
+    tensors = [(f"t{i}", torch.arange(n, dtype=torch.float32) + 100 * i) for i, n in enumerate(sizes)]
+    client = LoopbackClient(gloo_pair[1])
+    sender = BucketSender(client, lambda data: gloo_pair[0].broadcast(data, 0), 4 * 4, torch.float32)
+    sender.send(iter(tensors), version="5")
+    assert [sum(a["stops"]) - sum(a["starts"]) for a in client.announced] == per_bucket
+    assert sender.times.buckets == len(per_bucket) and sender.times.bytes == 4 * sum(sizes)
+    assert list(client.received) == [name for name, _ in tensors] and client.version == "5"
+    for name, tensor in tensors:
+        assert torch.equal(client.received[name], tensor), name
+
+
+@needs_vllm
 def test_without_splitting_each_bucket_is_one_vllm_packed_buffer(gloo_pair):
     """vLLM's NCCL worker (packed) cuts a buffer once it holds more than bucket_bytes: each announced bucket must be
     whole tensors within bucket_bytes, or one larger tensor alone, laid out as vLLM's ``unpack_tensor`` reads it."""
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-
-    from lit_gmc.data.engines.weight_transfer import BucketSender
 
     bucket_bytes, received, announced = 24, {}, []
 
@@ -141,8 +163,6 @@ def test_without_splitting_each_bucket_is_one_vllm_packed_buffer(gloo_pair):
 
 
 def test_a_loading_error_surfaces_once_the_whole_bucket_is_received(gloo_pair):
-    from lit_gmc.data.engines.weight_transfer import BucketSender
-
     class RefusingClient(LoopbackClient):
         refuse = True
 
@@ -167,8 +187,6 @@ def test_a_load_that_fails_mid_bucket_leaves_the_group_in_step(gloo_pair):
     """vLLM's ``load_weights`` consumes a bucket's tensors as they arrive; when it raises part-way, the rest of the
     bucket is still received (the trainer is broadcasting it), the error reaches the trainer, and the next update
     arrives whole and exact."""
-    from lit_gmc.data.engines.weight_transfer import BucketSender
-
     class FailingLoad(LoopbackClient):
         fail = True
 
@@ -193,8 +211,6 @@ def test_a_load_that_fails_mid_bucket_leaves_the_group_in_step(gloo_pair):
 def test_a_server_that_fails_before_receiving_ends_the_send_with_its_error(gloo_pair):
     """A worker that answers ``/update_weights`` with an error before it receives would otherwise leave the learner's
     broadcast blocked (the bytes exceed the socket's buffers) until the group's timeout."""
-    from lit_gmc.data.engines.weight_transfer import BucketSender
-
     class Refusing(LoopbackClient):
         def update_weights(self, update_info: dict) -> None:
             raise RuntimeError("gloo weight transfer not initialised")
@@ -213,7 +229,6 @@ def test_a_sigterm_ends_a_send_to_a_stopped_server_within_a_poll(gloo_pair, serv
     true 0.3 s after the last broadcast is posted, ends the send within a poll with ``Interrupted``, not at the
     group's timeout (20 s here, 30 min in a run) or the request's (an hour); the broadcasts still in flight are left
     in ``unfinished`` for the group's owner."""
-    from lit_gmc.data.engines.weight_transfer import BucketSender, _drop, receive_announcement, receive_bucket
     from lit_gmc.distributed import Interrupted
 
     released, posted = threading.Event(), []
@@ -245,20 +260,15 @@ def test_a_sigterm_ends_a_send_to_a_stopped_server_within_a_poll(gloo_pair, serv
 
 
 def test_pieces_out_of_order_and_inconsistent_announcements_are_refused():
-    from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_bucket
-
     _, alone = open_gloo_group("127.0.0.1", free_port(), 0, 1, 10)
-    info = GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[2], stops=[4])
+    info = BucketInfo(["w"], ["float32"], [[4]], starts=[2], stops=[4])
     with pytest.raises(ValueError, match="w: a piece from element 2 does not continue"):
         receive_bucket(alone, info, {}, list)
     with pytest.raises(ValueError, match="give both starts and stops"):
-        GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[0])
+        BucketInfo(["w"], ["float32"], [[4]], starts=[0])
     with pytest.raises(ValueError, match=r"differ in length: \[1, 1, 1, 2, 2\]"):
-        GlooUpdateInfo(["w"], ["float32"], [[4]], starts=[0, 1], stops=[1, 4])
+        BucketInfo(["w"], ["float32"], [[4]], starts=[0, 1], stops=[1, 4])
     with pytest.raises(ValueError, match="bucket_bytes=1 must hold one torch.bfloat16 element"):
-        from lit_gmc.data.engines.weight_transfer import BucketSender
-
         BucketSender(None, None, 1, torch.bfloat16)
 
 
@@ -282,6 +292,7 @@ def test_ipc_is_refused_without_cuda_and_with_more_than_one_server_naming_the_fl
     assert component_problems(VLLMServers, {"urls": ["http://a:8000"], "backend": "gloo"}, "--data.engine") == []
 
 
+@needs_vllm
 def test_ipc_handles_travel_as_vllms_worker_reads_them(monkeypatch):
     """The ``/update_weights`` body our client posts for vLLM's IPC trainer engine parses back, through vLLM's own
     ``IPCWeightTransferUpdateInfo``, to the handles the engine gave (tuples with bytes, which JSON cannot carry)."""
@@ -300,6 +311,7 @@ def test_ipc_handles_travel_as_vllms_worker_reads_them(monkeypatch):
     assert json_update_info(plain) is plain  # gloo and nccl announcements pass unchanged
 
 
+@needs_vllm
 def test_a_retired_group_releases_a_waiting_worker_though_the_failed_send_keeps_its_error_in_a_cycle():
     """A server's error re-raised from its call's future is a reference cycle (the future holds the error, whose
     traceback holds the frames that hold the future and the broadcast being waited for), and a gloo group's
@@ -309,15 +321,7 @@ def test_a_retired_group_releases_a_waiting_worker_though_the_failed_send_keeps_
     the broken group before it can join the next. Automatic collection is off: one that came first would hide it."""
     import gc
 
-    from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import (
-        GlooTrainerInitInfo,
-        GlooTrainerWeightTransferEngine,
-        _drop,
-        open_gloo_group,
-        receive_announcement,
-        receive_bucket,
-    )
+    from lit_gmc.data.engines.weight_transfer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
     def survivor(group) -> None:
         """Takes the bucket after its call has failed, then waits for more, as the surviving server's worker."""

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.data.tasks.base import Prompt
+from lit_gmc.options import check_options
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,48 @@ class SamplingParams:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """The distribution training rollouts are sampled from (``--data.sampling.*``); the paper's is 1.0 and 1.0.
+
+    What the engine is asked for on every training launch, with the DataModule's completion budget and the launch's
+    seed (:meth:`params`); evaluation asks the same engine for other values, so they are no engine option.
+
+    Args:
+        temperature: Sampling temperature (> 0); the learner's log-probs divide by the same (``--model.temperature``,
+            linked).
+        top_p: Nucleus mass, in (0, 1].
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_options("Sampling", self.option_problems(self.temperature, self.top_p))
+
+    @staticmethod
+    def option_problems(temperature: float, top_p: float) -> list[str]:
+        """Every problem with the options, named by their fields."""
+        problems = []
+        if not temperature > 0:
+            problems.append(f"temperature={temperature} must be > 0 for training rollouts")
+        if not 0 < top_p <= 1:
+            problems.append(f"top_p={top_p} must be in (0, 1]")
+        return problems
+
+    def params(self, max_new_tokens: int, seed: int) -> SamplingParams:
+        """The :class:`SamplingParams` of one launch."""
+        return SamplingParams(self.temperature, self.top_p, max_new_tokens, seed)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """The one interface the DataModule and the evaluation callback use.
 
     An engine is built from its own options (a LightningCLI component, ``data.engine``); the DataModule then
-    calls :meth:`start` with the actor, and reads :attr:`tokenizer` to decode and pad.
+    calls :meth:`start` with the actor, and reads :attr:`tokenizer` to decode and pad. An engine may also have a
+    ``recompute_behavior_logprobs`` attribute (its option, as the shipped engines have): when true, the DataModule
+    rescores its behaviour log-probs with the learner's numerics (``recompute.BehaviorRecompute``).
     """
 
     tokenizer: Any

@@ -86,12 +86,16 @@ class HFEngine(RolloutEngine):
             schedule generates while the learner learns). The samples are the same.
         threads: ``dedicated`` only: torch threads of the engine process; ``null``: this process's number (the
             numerics of ``colocated``).
+        recompute_behavior_logprobs: Rescore this engine's behaviour log-probs with the learner's numerics on a copy
+            of the weights (a second model on the learner's device), logging the gap removed
+            (``schedule/engine_gap_*``); a choice, not the paper's.
     """
 
     def __init__(self, batch_rows: int = 512, layout: Literal["colocated", "dedicated"] = "colocated",
-                 threads: int | None = None) -> None:  # fmt: skip
+                 threads: int | None = None, recompute_behavior_logprobs: bool = False) -> None:  # fmt: skip
         check_options("HFEngine", self.option_problems(batch_rows, layout, threads))
         self.batch_rows, self.layout, self.threads = batch_rows, layout, threads
+        self.recompute_behavior_logprobs = recompute_behavior_logprobs
         self.model: nn.Module | None = None
         self.tokenizer = None
         self._version = 0

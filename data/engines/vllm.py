@@ -105,6 +105,9 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: Skip CUDA graphs / compilation; ``null`` means yes on CPU, no on GPU.
         enable_prefix_caching: Reuse prompt KV across requests (reset on every weight load).
         seed: vLLM's engine seed (per-request seeds come from the sampling call).
+        recompute_behavior_logprobs: Rescore this engine's behaviour log-probs with the learner's numerics on a copy
+            of the weights (a second model on the learner's device), logging the gap removed
+            (``schedule/engine_gap_*``); a choice, not the paper's.
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): memory and speed, not what is sampled.
@@ -128,8 +131,10 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        recompute_behavior_logprobs: bool = False,
     ) -> None:
         self.sleep_between_rollouts, self.dtype_option = sleep_between_rollouts, dtype
+        self.recompute_behavior_logprobs = recompute_behavior_logprobs
         self.gpu_memory_utilization, self.kv_cache_memory_bytes = gpu_memory_utilization, kv_cache_memory_bytes
         self.max_model_len, self.enforce_eager = max_model_len, enforce_eager
         self.enable_prefix_caching, self.seed = enable_prefix_caching, seed

@@ -195,6 +195,9 @@ class VLLMServers(RolloutEngine):
         server_args: Extra command-line arguments for every launched server.
         log_dir: Folder of the launched servers' logs (``server_<k>.log``, appended to, kept). ``null``: the run
             folder's ``servers/`` under ``fit``, else a temporary folder removed by :meth:`close`.
+        recompute_behavior_logprobs: Rescore this engine's behaviour log-probs with the learner's numerics on a copy
+            of the weights (a second model on the learner's device), logging the gap removed
+            (``schedule/engine_gap_*``); a choice, not the paper's.
     """
 
     # Options a resume may change (lit_gmc.resume asks the class): where the servers run and how weights reach them,
@@ -234,8 +237,10 @@ class VLLMServers(RolloutEngine):
         seed: int = 0,
         server_args: list[str] | None = None,
         log_dir: str | None = None,
+        recompute_behavior_logprobs: bool = False,
     ) -> None:
         check_options("VLLMServers", self.option_problems(urls, launch, devices, bucket_bytes, backend))
+        self.recompute_behavior_logprobs = recompute_behavior_logprobs
         self.given_urls, self.launch, self.devices = list(urls or []), launch, devices
         self.backend, self.bucket_bytes, self.dtype_option = backend, bucket_bytes, dtype
         self.served_model, self.transfer_address = served_model, transfer_address

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 from lit_gmc.batch import RolloutGroup
 from lit_gmc.options import check_options
@@ -45,6 +45,11 @@ class DelaySchedule(ABC):
 
     overlap: bool = False
     """Whether :meth:`launch` generates in a background thread and returns futures of batches."""
+
+    refill_on_extend: bool = True
+    """Whether a resume planning more updates from a checkpoint taken in the drain goes on by generating again from
+    the checkpoint's policy (``False``: it is refused; see :func:`extension_problem`). The schedules that drain take
+    it as an option."""
 
     step: int = 0
     total_updates: int = 0
@@ -148,12 +153,18 @@ class Sync(_QueueSchedule):
 
     Args:
         inner_steps: ``K``, updates per generation round; the last round generates only what is left.
+        refill_on_extend: A resume planning more updates (``--trainer.max_steps`` raised) from a checkpoint taken
+            after the drain began (a finished run's ``last.ckpt``) refills the schedule from the checkpoint's
+            policy, as at a start, and says so in one log line: its records then differ from a run planned that
+            long. ``false``: such a resume is refused. A checkpoint before the drain always extends exactly.
     """
 
-    def __init__(self, inner_steps: int = 1) -> None:
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"refill_on_extend"})  # a resume's own choice
+
+    def __init__(self, inner_steps: int = 1, refill_on_extend: bool = True) -> None:
         super().__init__()
         check_options("Sync", self.option_problems(inner_steps))
-        self.inner_steps = inner_steps
+        self.inner_steps, self.refill_on_extend = inner_steps, refill_on_extend
 
     @staticmethod
     def option_problems(inner_steps: int) -> list[str]:
@@ -181,12 +192,18 @@ class FixedDelay(_QueueSchedule):
 
     Args:
         delay: ``D >= 0``, updates between generating a batch and consuming it.
+        refill_on_extend: A resume planning more updates (``--trainer.max_steps`` raised) from a checkpoint taken
+            after the drain began (a finished run's ``last.ckpt``) refills the schedule from the checkpoint's
+            policy, as at a start, and says so in one log line: its records then differ from a run planned that
+            long. ``false``: such a resume is refused. A checkpoint before the drain always extends exactly.
     """
 
-    def __init__(self, delay: int = 8) -> None:
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"refill_on_extend"})  # a resume's own choice
+
+    def __init__(self, delay: int = 8, refill_on_extend: bool = True) -> None:
         super().__init__()
         check_options("FixedDelay", self.option_problems(delay))
-        self.delay = delay
+        self.delay, self.refill_on_extend = delay, refill_on_extend
 
     @staticmethod
     def option_problems(delay: int) -> list[str]:
@@ -212,7 +229,8 @@ def extension_problem(state: dict[str, Any], total_updates: int, name: str) -> s
     """Why a checkpoint's schedule ``state`` cannot go on to ``total_updates`` as a run planned that long would.
 
     ``None`` when it can: the plan is not longer, or the schedule had not yet acted on the planned end (no
-    ``drain_step``). Checkpoints from before the plan was recorded are not judged.
+    ``drain_step``). Checkpoints from before the plan was recorded are not judged. The message is the refusal of a
+    schedule with ``refill_on_extend`` off; :func:`refill_notice` is the log line of one with it on.
     """
     planned, drain_step = state.get("planned"), state.get("drain_step")
     if planned is None or total_updates <= planned or drain_step is None:
@@ -222,7 +240,18 @@ def extension_problem(state: dict[str, Any], total_updates: int, name: str) -> s
         f"update {state['step']}) was taken after {name} began its drain at update {drain_step} (it stopped "
         f"generating for the planned end), a state no run planned for {total_updates} updates reaches. To extend it "
         f"as if planned for {total_updates} from the start, resume from a checkpoint at or before update "
-        f"{drain_step} (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or add "
-        "--data.refill_on_extend true to refill the schedule from the current policy, as at a start (delays "
-        "restart from 0)"
+        f"{drain_step} (kept by --checkpoint.every_n_train_steps or --checkpoint.at_steps); or leave "
+        "--data.schedule.refill_on_extend true (the default) to refill the schedule from the checkpoint's policy, as "
+        "at a start (delays restart from 0)"
+    )
+
+
+def refill_notice(state: dict[str, Any], total_updates: int, name: str) -> str:
+    """The one log line of a resume that :func:`extension_problem` finds past the drain and that refills instead."""
+    return (
+        f"extending a run planned for {state['planned']} updates to {total_updates} from its checkpoint at update "
+        f"{state['step']}, taken after {name} began its drain at update {state['drain_step']}: the schedule is "
+        "refilled from the checkpoint's policy (delays restart from 0), so the records differ from a run planned for "
+        f"{total_updates} updates from the start, which a checkpoint at or before update {state['drain_step']} "
+        "would give (--data.schedule.refill_on_extend false refuses this resume)"
     )

@@ -59,19 +59,24 @@ class VirtualClock(DelaySchedule):
         overlap: Generate in a background thread while the learner trains (it pays off when ``lam > c_gen``).
             With ``--model.gradient_checkpointing`` (which restores torch's global generator in backward)
             ``HFEngine``'s overlapped samples stop being reproducible: turn it off there if runs must repeat.
+        refill_on_extend: A resume planning more updates (``--trainer.max_steps`` raised) from a checkpoint taken
+            after the drain began (a finished run's ``last.ckpt``) refills the schedule from the checkpoint's
+            policy, as at a start, and says so in one log line: its records then differ from a run planned that
+            long. ``false``: such a resume is refused. A checkpoint before the drain always extends exactly.
     """
 
-    # Options a resume may change (lit_gmc.resume asks the class): they do not change the delays.
-    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"overlap", "max_launches"})
+    # Options a resume may change (lit_gmc.resume asks the class): they do not change the delays, or (the last) are
+    # the resume's own choice.
+    may_change_on_resume: ClassVar[frozenset[str]] = frozenset({"overlap", "max_launches", "refill_on_extend"})
 
     def __init__(
         self, c_gen: float = 85.0, lam: float = 28.0, c_update: float = 1.0, max_launches: int = 400,
-        overlap: bool = True,
+        overlap: bool = True, refill_on_extend: bool = True,
     ) -> None:  # fmt: skip
         check_options("VirtualClock", self.option_problems(c_gen, lam, c_update, max_launches))
         super().__init__()
         self.c_gen, self.lam, self.c_update, self.max_launches = float(c_gen), float(lam), float(c_update), max_launches
-        self.overlap = overlap
+        self.overlap, self.refill_on_extend = overlap, refill_on_extend
         self.clock = 0.0
         self.hidden: list[_Launch] = []  # launched, not yet visible (possibly still generating)
         self.visible: list[_Launch] = []  # completed by the clock, sorted by (ready_at, index)

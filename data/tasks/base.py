@@ -46,7 +46,14 @@ class Task(Protocol):
         """Held-out prompts, never trained on."""
 
     def score(self, completions: Sequence[str], answer: str) -> list[float]:
-        """Rewards of the completions of one prompt, each in ``[0, 1]`` (``None`` for one: skip it, as in TRL)."""
+        """Rewards of the completions of one prompt: any finite numbers (``None`` for one: skip it, as in TRL).
+
+        Not bounded to ``[0, 1]``: every rule's gradient depends only on the differences of rewards within a
+        group, so a constant added to every reward changes nothing, and rewards multiplied by ``a`` multiply the
+        gradient by ``a`` (as SGD's learning rate would; Adam's normalisation mostly undoes it), except for VCPO and
+        CISPO, which divide by the group's std. The paper's reward bound ``R`` is then the range's width. Rewards
+        travel as float32 (24 bits): far from 0 their differences lose digits (near 1,000, steps below 6e-5).
+        """
 
 
 def prompt_problem(task: str, prompts: Sequence[Any]) -> str | None:

@@ -74,7 +74,7 @@ class Reward:
 
     ``None`` is TRL's "skip this example": the mean of its group's other rewards (0.0 for a group of ``None``), with
     one warning. A wrong count or type, a non-finite reward, a call that raises or one past ``timeout_s`` is one
-    :class:`UserError` naming the function. Rewards outside ``[0, 1]`` are used, with one warning.
+    :class:`UserError` naming the function. Any finite reward is used as it is (why: ``Task.score``).
 
     ``name`` is how messages name it (``--data.reward my_project.rewards.exact_match``, ``Addition.score``); ``chat``
     says prompts are in the chat template; ``timeout_s`` ``None`` is no limit, the call then made in the caller's
@@ -224,10 +224,6 @@ class Reward:
             self.warn_once("skip", f"reward {self.name} returned None for {count - len(given)} of {count} completions"
                            f"{of_prompt}: taken as TRL's 'skip this example' (each gets its group's mean reward, so no "
                            "advantage; 0.0 when the whole group is None); this warning is shown once")  # fmt: skip
-        outside = [value for value in given if not 0.0 <= value <= 1.0]
-        if outside:
-            self.warn_once("scale", f"reward {self.name} returned {outside[:4]} outside [0, 1], the range Task.score "
-                           "documents; they are used as they are (this warning is shown once)")  # fmt: skip
         baseline = sum(given) / len(given) if given else 0.0
         return [baseline if value is None else value for value in rewards]
 

@@ -15,12 +15,17 @@ on a shared machine contention inflates wall time, not CPU time). Figures are me
 first; peak extra memory is resident memory above its level just before each sync, sampled every 2 ms.
 
     python scripts/bench/weight_sync.py --models 0.6B 1.7B --bucket-mib 64
+    python scripts/bench/weight_sync.py --models 0.6B --json sync.json   # the tables, and the figures as JSON
+
+``--json PATH`` writes the figures for other scripts (:func:`summary`; the keys are documented in
+``docs/performance.md`` and kept stable: a change of their meaning bumps ``format``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import multiprocessing as mp
 import os
 import re
@@ -36,12 +41,14 @@ import torch
 SHAPES = {  # Qwen3 model cards: hidden, intermediate, layers, heads, kv heads (head_dim 128, vocab 151,936, tied)
     "0.6B": (1024, 3072, 28, 16, 8),
     "1.7B": (2048, 6144, 28, 16, 8),
+    "smoke": (128, 256, 2, 2, 1),  # no model card's: runs the whole script in minutes (docs/performance.md), no figure
 }
 SERVER_LINE = re.compile(
     r"lit_gmc weight update: (\d+) buckets, ([\d.]+) MiB in ([\d.]+) s: buckets ([\d.]+) s \(waiting for bytes "
     r"([\d.]+) s, load_weights ([\d.]+) s\), finalize ([\d.]+) s"
 )
 MAX_MODEL_LEN = 256
+JSON_FORMAT = 1  # of --json's document: bumped when a key changes meaning or goes
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -205,7 +212,7 @@ def measure_serve(size: str, folder: str, bucket_bytes: int, learner_dtype: str,
 
 def floor_receiver(port: int, total: int, repeats: int) -> None:
     """The transport floor's other end: receives one broadcast of ``total`` bytes per sync."""
-    from lit_gmc.data.engines.weight_transfer import open_gloo_group
+    from lit_gmc.data.engines.buckets import open_gloo_group
 
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
     buffer = torch.empty(total, dtype=torch.uint8)
@@ -215,8 +222,8 @@ def floor_receiver(port: int, total: int, repeats: int) -> None:
 
 def measure_transport(size: str, repeats: int) -> Iterator[dict]:
     """The floor's transport: one gloo broadcast of the model's bf16 bytes as one buffer, per sync."""
+    from lit_gmc.data.engines.buckets import open_gloo_group
     from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import open_gloo_group
 
     weights = random_weights(size, torch.bfloat16, 1)
     flat = torch.empty(sum(t.numel() * 2 for t in weights.values()), dtype=torch.uint8)
@@ -261,14 +268,14 @@ def measure_load(size: str, folder: str) -> Iterator[dict]:
 
 def stand_in_receiver(size: str, port: int, conn) -> None:
     """The stand-in's receiving process: its own copy of the weights, updated as ``receive_update`` completes them."""
-    from lit_gmc.data.engines.weight_transfer import GlooUpdateInfo, open_gloo_group, receive_update
+    from lit_gmc.data.engines.buckets import BucketInfo, open_gloo_group, receive_update
 
     weights = random_weights(size, torch.bfloat16, 0)
     _, group = open_gloo_group("127.0.0.1", port, 1, 2, 600)
     partial: dict = {}
     while (message := conn.recv()) != "stop":
         if isinstance(message, dict):
-            receive_update(group, GlooUpdateInfo(**message), partial,
+            receive_update(group, BucketInfo(**message), partial,
                            lambda named: [weights[name].copy_(t) for name, t in named])  # fmt: skip
         conn.send("done")
 
@@ -295,8 +302,8 @@ class PipeClient:
 
 def measure_stand_in(size: str, bucket_bytes: int, learner_dtype: str) -> Iterator[dict]:
     """A lower bound: ``BucketSender`` into a plain process that receives and copies, no vLLM and no HTTP."""
+    from lit_gmc.data.engines.buckets import BucketSender, open_gloo_group
     from lit_gmc.data.engines.vllm_serve import free_port
-    from lit_gmc.data.engines.weight_transfer import BucketSender, open_gloo_group
 
     weights = random_weights(size, getattr(torch, learner_dtype), 1)
     port, (parent, child) = free_port(), mp.Pipe()
@@ -348,6 +355,49 @@ def spread(records: list[dict], key: str, scale: float = 1.0) -> tuple[float, fl
     """Median, min and max of ``key`` over the records after the first, times ``scale``."""
     values = [r[key] * scale for r in records[1:]]
     return statistics.median(values), min(values), max(values)
+
+
+def stats(records: list[dict], key: str, scale: float = 1.0) -> dict[str, float]:
+    """:func:`spread` as ``{"median", "min", "max"}``, for the JSON figures."""
+    median, low, high = spread(records, key, scale)
+    return {"median": median, "min": low, "max": high}
+
+
+SERVE_PARTS = ("copy_s", "sender_wait_s", "start_s", "finish_s", "calls_s", "bucket_s", "wait_s", "load_s",
+               "finalize_s")  # fmt: skip
+"""Where a sync into ``vllm serve`` went (the keys of the second table's rows), in seconds."""
+
+
+def summary(bucket_mib: int, runs: dict[str, list[dict]]) -> dict:
+    """The figures of one model as plain data: the floor, each path's medians [min-max] and its ratio to the floor.
+
+    Statistics are over the syncs after the first, as the tables'; ``wall_s_each`` lists every sync, the first
+    included. Memory in MiB, times in seconds, CPU in user + system seconds of every process involved.
+    """
+    transport, load, serve, mib = runs["transport"], runs["load"], runs["serve"], 2**-20
+    floor = {"wall_s": spread(transport, "wall_s")[0] + spread(load, "wall_s")[0],
+             "cpu_s": spread(transport, "cpu_s")[0] + spread(load, "cpu_s")[0]}  # fmt: skip
+    serve_cpu = [{"cpu_s": r["cpu_learner_s"] + r["cpu_server_s"]} for r in serve]
+    paths = {
+        name: {"wall_s": stats(records, "wall_s"), "cpu_s": stats(records, "cpu_s"),
+               "wall_s_each": [r["wall_s"] for r in records]}
+        for name, records in (("transport", transport), ("load", load))
+    }  # fmt: skip
+    paths["serve"] = {
+        "wall_s": stats(serve, "wall_s"), "wall_s_each": [r["wall_s"] for r in serve],
+        "x_floor": spread(serve, "wall_s")[0] / floor["wall_s"],
+        "cpu_s": stats(serve_cpu, "cpu_s"), "cpu_learner_s": stats(serve, "cpu_learner_s"),
+        "cpu_server_s": stats(serve, "cpu_server_s"), "x_floor_cpu": spread(serve_cpu, "cpu_s")[0] / floor["cpu_s"],
+        "learner_extra_mib": stats(serve, "learner_extra", mib), "server_extra_mib": stats(serve, "server_extra", mib),
+        "parts": {key: stats(serve, key) for key in SERVE_PARTS},
+    }  # fmt: skip
+    if "stand-in" in runs:
+        stand_in = runs["stand-in"]
+        paths["stand-in"] = {"wall_s": stats(stand_in, "wall_s"), "wall_s_each": [r["wall_s"] for r in stand_in],
+                             "x_floor": spread(stand_in, "wall_s")[0] / floor["wall_s"],
+                             "learner_extra_mib": stats(stand_in, "learner_extra", mib)}  # fmt: skip
+    return {"bytes": serve[0]["bytes"], "bucket_mib": bucket_mib, "buckets": int(serve[0]["buckets"]),
+            "calls": int(serve[0]["calls"]), "syncs": len(serve), "floor": floor, "paths": paths}  # fmt: skip
 
 
 def shown(values: tuple[float, float, float], digits: int = 2) -> str:
@@ -433,6 +483,13 @@ def measure(plans: dict[str, tuple], count: int, interleave: bool) -> dict[str, 
     return {name: each.close() for name, each in measured.items()}
 
 
+def json_head(args: argparse.Namespace) -> dict:
+    """``--json``'s document before any model is measured (``models`` is filled in one model at a time)."""
+    options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    return {"format": JSON_FORMAT, "args": options, "torch_threads": torch.get_num_threads(),
+            "load_average_start": os.getloadavg()[0], "models": {}}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["0.6B"], choices=sorted(SHAPES))
@@ -447,6 +504,7 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="keep every measurement's process alive and take one record of each per round (several "
                              "GB more at once: 0.6B only on a small machine)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the figures here, as JSON (docs/performance.md)")
     parser.add_argument(
         "--learner-dtype",
         default="float32",
@@ -455,6 +513,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     bucket = args.bucket_mib << 20
+    document = json_head(args)
     print(f"learner weights in {args.learner_dtype}, sent as bfloat16; torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
     for size in args.models:
@@ -468,8 +527,12 @@ def main() -> None:
             if args.stand_in:
                 plans["stand-in"] = (measure_stand_in, size, bucket, args.learner_dtype)
             runs = measure(plans, args.repeats + 1, args.interleave)
+        document["models"][size] = summary(args.bucket_mib, runs)
         report(size, args.bucket_mib, runs)
         print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
+    document["load_average_end"] = os.getloadavg()[0]
+    if args.json is not None:
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
 
 
 if __name__ == "__main__":
