@@ -399,7 +399,8 @@ class Diagnostics(pl.Callback):
             side = "above" if above else "below"
             rank_zero_warn(f"Diagnostics: at update {step} {self.prefix}/{tag} = {value:.4g} is {side} {bound} "
                            f"(--trainer.callbacks Diagnostics' {option}): the current policy is far from the one that "
-                           "sampled these rollouts, so importance weights rest on few samples (warned once per run)")  # fmt: skip
+                           "sampled these rollouts, so importance weights rest on few samples "
+                           "(warned once per run)")  # fmt: skip
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

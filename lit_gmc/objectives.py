@@ -60,8 +60,11 @@ def log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -
 
 
 def geometric_log_ratio(token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """Per-token mean log-ratio ``(1/|y_i|) sum_t (log pi_theta(y_it) - l_it)``, the log of the geometric mean of the
-    token ratios (GSPO's sequence ratio, verl's ``seq_mean``); 0 for an empty response. Returns ``(N,)``."""
+    """Per-token mean log-ratio ``(1/|y_i|) sum_t (log pi_theta(y_it) - l_it)``. Returns ``(N,)``.
+
+    The log of the geometric mean of the token ratios (GSPO's sequence ratio, verl's ``seq_mean``); 0 for an empty
+    response.
+    """
     lengths = mask.sum(-1).clamp(min=1)  # (N,)
     return log_ratio(token_logprobs, behavior_logprobs, mask) / lengths  # (N,)
 
@@ -222,8 +225,10 @@ def kept_ratio(log_r: Tensor, keep: Tensor) -> Tensor:
 
 
 def m2po_keep_mask(log_r: Tensor, mask: Tensor, threshold: float) -> Tensor:
-    """M2PO's token mask (Zheng et al. 2025, Algorithm 1): the real tokens kept once the ones of largest ``(log r)^2``
-    are dropped, one at a time, until the mean ``(log r)^2`` of those left is ``<= threshold``. ``(n, L)``.
+    """M2PO's token mask (Zheng et al. 2025, Algorithm 1): the real tokens kept, ``(n, L)``.
+
+    The tokens kept once the ones of largest ``(log r)^2`` are dropped, one at a time, until the mean ``(log r)^2`` of
+    those left is ``<= threshold``.
 
     Over every real token of the call (AReaL's set; the paper's "trust-region tokens"), largest first, ties in row
     order (the first of equal values goes first, as ``argmax``); all are dropped when no non-empty remainder meets
@@ -248,8 +253,9 @@ def dppo_keep_mask(
     token_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, advantages: Tensor, eps_low: float,
     eps_high: float,
 ) -> tuple[Tensor, Tensor]:
-    """DPPO's Binary-TV trust region (Qi et al. 2026; prime-rl's default loss): tokens whose probability already moved
-    past the band in the direction their advantage pushes get no gradient.
+    """DPPO's Binary-TV trust region (Qi et al. 2026; prime-rl's default loss): the masks of tokens kept and dropped.
+
+    Tokens whose probability already moved past the band in the direction their advantage pushes get no gradient.
 
     With ``p = pi_theta(y_t)``, ``q = exp(l_t)``: a token of ``A > 0`` is dropped when ``p - q > eps_high``, any other
     when ``p - q < -eps_low`` (a probability difference, not a ratio). Returns the ``(n, L)`` mask of real tokens

@@ -148,7 +148,8 @@ def test_gspo_matches_verl_gspo_token_and_trl_sequence_level():
     lp, behavior, mask, rewards = peer_batch()
     rule = GSPO(eps_low=0.2, eps_high=0.3)
     adv = O.group_normalized_advantages(rewards, rewards.view(-1, G).mean(-1), G)[:, None]
-    # verl compute_policy_loss_gspo: log s_it = lp - sg(lp) + sg(mean log r), clamp 10, PPO max form, seq-mean-token-mean.
+    # verl compute_policy_loss_gspo: log s_it = lp - sg(lp) + sg(mean log r), clamp 10, PPO max form,
+    # seq-mean-token-mean.
     seq = ((lp.detach() - behavior) * mask).sum(-1) / mask.sum(-1)
     s_t = torch.exp((lp - lp.detach() + seq.detach()[:, None]).clamp(max=10.0))
     verl = seq_mean_token_mean(torch.maximum(-adv * s_t, -adv * s_t.clamp(1 - 0.2, 1 + 0.3)), mask)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import random
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ SWEEP_GROUP_SIZES = (2, 4, 8, 16, 32)
 
 
 def parser() -> argparse.ArgumentParser:
+    """The ``lit-gmc estimate`` argument parser."""
     p = argparse.ArgumentParser(prog="lit_gmc estimate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default="runs/estimator_lab", help="folder for the results (default: %(default)s)")
     p.add_argument("--config", action="append", default=None,
@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
                    help="training prompts among which the --prompts of largest reward variance are taken")
     p.add_argument("--max-tokens", type=int, default=2, help="T: responses of at most T tokens (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
-    p.add_argument("--draws", type=int, default=1000, help="groups drawn per prompt, G and delay (default: %(default)s)")
+    p.add_argument("--draws", type=int, default=1000,
+                   help="groups drawn per prompt, G and delay (default: %(default)s)")
     p.add_argument("--batches", type=int, default=10, help="batches of the draws, for errors (default: %(default)s)")
     p.add_argument("--omit", type=float, default=1e-5,
                    help="sums run over the responses holding all but this much of each policy's mass "
@@ -120,6 +121,7 @@ def rule_classes(names: list[str] | None) -> dict[str, type]:
 
 
 def build_rule(name: str, cls: type, aggregation: str):
+    """``cls`` built with its defaults (and ``aggregation="seq_sum_over_T"`` when ``aggregation`` is ``paper``)."""
     try:
         return cls(aggregation="seq_sum_over_T") if aggregation == "paper" else cls()
     except Exception as err:
@@ -127,6 +129,7 @@ def build_rule(name: str, cls: type, aggregation: str):
 
 
 def task_instance(path: str):
+    """An instance of the task class at import path ``path``, built with no arguments."""
     module, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)()
@@ -174,7 +177,42 @@ def choose_prompts(task, behavior, args) -> list:
     return scored[: args.prompts]
 
 
+class Clock:
+    """Wall time of each phase of a run (``laps``, seconds), for ``lab.json`` and the benchmark."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.time()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        """Record the time since the last lap under ``name``."""
+        now = time.time()
+        self.laps[name] = round(now - self.last, 1)
+        self.last = now
+
+    def total(self) -> float:
+        """Seconds since the clock started."""
+        return round(time.time() - self.start, 1)
+
+
+def policies(args: argparse.Namespace, out: Path) -> tuple:
+    """``(theta_b, {tau: theta_tau or its checkpoint}, source)``: the two checkpoints given, or those trained."""
+    from lit_gmc.lab.policies import check_pair, load_policy, trained_policies
+
+    if args.behavior is not None:
+        behavior, current = load_policy(args.behavior, "--behavior"), load_policy(args.current, "--current")
+        return behavior, {check_pair(behavior, current, args.delay): current}, {"behavior": args.behavior,
+                                                                                 "current": args.current}
+    config = args.config or [default_config()]
+    delays = sorted(set(args.delays))
+    checkpoints = trained_policies(config, delays, out / "policies")
+    behavior = load_policy(config_actor(config), "--config's model.actor")
+    currents = {tau: behavior if tau == 0 else checkpoints[tau] for tau in delays}
+    return behavior, currents, {"config": config, "trained": {str(t): str(p) for t, p in checkpoints.items()}}
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run ``lit-gmc estimate`` on ``argv`` (default: the command line) and write its report to ``--out``."""
     args = parser().parse_args(argv)
     problems = option_problems(args)
     if problems:
@@ -183,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     from rich.progress import Progress
 
-    from lit_gmc.lab.policies import check_pair, load_policy, trained_policies
+    from lit_gmc.lab.policies import load_policy
     from lit_gmc.lab.report import write_report
     from lit_gmc.lab.run import Cell, Settings, measure_delay
 
@@ -191,24 +229,16 @@ def main(argv: list[str] | None = None) -> None:
     rules = rule_classes(args.rules)
     sweep = rule_classes(args.sweep_rules) if args.sweep_rules else {}
     task = task_instance(args.task)
-    started = time.time()
-    if args.behavior is not None:
-        behavior, current = load_policy(args.behavior, "--behavior"), load_policy(args.current, "--current")
-        delays = [check_pair(behavior, current, args.delay)]
-        currents = {delays[0]: current}
-        source = {"behavior": args.behavior, "current": args.current}
-    else:
-        config = args.config or [default_config()]
-        delays = sorted(set(args.delays))
-        checkpoints = trained_policies(config, delays, out / "policies")
-        behavior = load_policy(config_actor(config), "--config's model.actor")
-        currents = {tau: behavior if tau == 0 else checkpoints[tau] for tau in delays}
-        source = {"config": config, "trained": {str(tau): str(path) for tau, path in checkpoints.items()}}
+    clock = Clock()
+    behavior, currents, source = policies(args, out)
+    delays = sorted(currents)
+    clock.lap("policies")
     sweep_delay = args.sweep_delay if args.sweep_delay is not None else max(delays)
     if sweep and sweep_delay not in delays:
         raise UserError(f"--sweep-delay {sweep_delay} is not one of the delays measured ({delays})")
     chosen = choose_prompts(task, behavior, args)
     spaces, behavior_logprobs = [space for _, space, _ in chosen], [lp for _, _, lp in chosen]
+    clock.lap("prompts")
     settings = Settings(draws=args.draws, batches=args.batches, omit=args.omit, temperature=args.temperature,
                         reward_bound=args.reward_bound, seed=args.seed)  # fmt: skip
     records, cells_out = [], []
@@ -217,20 +247,19 @@ def main(argv: list[str] | None = None) -> None:
         for tau in delays:
             current = currents[tau]
             policy = current if not isinstance(current, Path) else load_policy(str(current), f"theta_{tau}")
-            cells = [Cell(name, build_rule(name, cls, args.aggregation), g) for name, cls in rules.items()
-                     for g in args.group_sizes]  # fmt: skip
-            if tau == sweep_delay:
-                have = {(c.name, c.group_size) for c in cells}
-                cells += [Cell(name, build_rule(name, cls, args.aggregation), g) for name, cls in sweep.items()
-                          for g in args.sweep_group_sizes if (name, g) not in have]  # fmt: skip
-            cells = [Cell(c.name, c.rule, c.group_size, exact=c.group_size == 2) for c in cells]
+            grid = {**rules, **(sweep if tau == sweep_delay else {})}
+            cells = [Cell(name, build_rule(name, cls, args.aggregation), g, exact=g == 2) for name, cls in grid.items()
+                     for g in sorted({*(args.group_sizes if name in rules else ()),
+                                      *(args.sweep_group_sizes if tau == sweep_delay and name in sweep else ())})]
             record, cell_records = measure_delay(
                 policy.model, spaces, behavior_logprobs, tau, cells, settings,
                 advance=lambda text: progress.update(bar, advance=1, description=text),
             )  # fmt: skip
             records.append(record)
             cells_out += cell_records
+            clock.lap(f"delay {tau}")
     meta = {"command": ["lit-gmc", "estimate", *(argv or [])], "source": source, "settings": vars(args),
-            "seconds": round(time.time() - started, 1), "parameters": sum(p.numel() for p in behavior.model.parameters())}
+            "seconds": clock.total(), "phases": clock.laps,
+            "parameters": sum(p.numel() for p in behavior.model.parameters())}
     paths = write_report(out, meta, records, cells_out, sweep_delay)
     print(f"estimator lab: {len(cells_out)} measurements in {meta['seconds']} s -> {', '.join(map(str, paths))}")

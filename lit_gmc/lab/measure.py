@@ -160,8 +160,11 @@ def loss_gradients(
 
 def check_separable(name: str, rule: Correction, data: PromptPolicies, groups: Tensor, delay: int,
                     grad_norms_sq: Tensor | None = None) -> None:  # fmt: skip
-    """Raise a :class:`UserError` if the rule's loss on a call of several groups is not the sum of its losses on
-    each group alone (checked on the first groups): the lab calls such a rule once per group, when it says so."""
+    """Raise a :class:`UserError` if the rule's loss on a call of several groups is not the sum of its per-group losses.
+
+    Checked on the first groups, against its losses on each group alone: the lab calls such a rule once per group, when
+    it says so.
+    """
     if getattr(rule, "couples_groups", False):
         return
     few = groups[:4]
@@ -189,8 +192,11 @@ def expected_coefficients(
     delay: int,
     grad_norms_sq: Tensor | None = None,
 ) -> tuple[Tensor, float, float] | None:
-    """``E[g]``'s coefficients ``(N, T)`` summed over every group of ``rows``, its expected removed mass, and the
-    behaviour probability of the groups left out (``1 - pi_b(rows)^G``); None when there are too many groups."""
+    """``E[g]``'s coefficients, its expected removed mass and the mass left out; None when there are too many groups.
+
+    The coefficients ``(N, T)`` are summed over every group of ``rows``; the mass left out is the behaviour probability
+    of the groups left out (``1 - pi_b(rows)^G``).
+    """
     count = rows.numel() ** group_size
     one_by_one = getattr(rule, "couples_groups", False)
     if count > (EXACT_GROUPS_ONE_BY_ONE if one_by_one else EXACT_GROUPS):
@@ -227,13 +233,16 @@ class Estimate:
 
     @property
     def low(self) -> float:
+        """The lower end of the 95% interval."""
         return self.value - 1.96 * self.se
 
     @property
     def high(self) -> float:
+        """The upper end of the 95% interval."""
         return self.value + 1.96 * self.se
 
     def as_dict(self) -> dict[str, float]:
+        """``value``, ``se``, ``low`` and ``high`` as a dict."""
         return {"value": self.value, "se": self.se, "low": self.low, "high": self.high}
 
 
@@ -257,11 +266,14 @@ def off_diagonal_mean(gram: Tensor) -> float:
 
 
 def batch_statistics(batch_means: Tensor, target: Tensor, draw_norms: Tensor, draw_weights: Tensor) -> dict:
-    """Unbiased estimates from ``(K, d)`` batch means of an update ``g``, an exact ``(d,)`` target ``h`` and the
-    squared norms of every drawn update (``draw_weights``: each draw's share of the expectation).
+    """Unbiased estimates of an update ``g``'s bias, norm, cosine, scale, second moment and variance against ``h``.
+
+    From ``(K, d)`` batch means of ``g``, an exact ``(d,)`` target ``h`` and the squared norms of every drawn update
+    (``draw_weights``: each draw's share of the expectation).
 
     ``bias^2 = ||E g - h||^2`` and ``||E g||^2`` are U-statistics over pairs of batches (their means are independent,
-    so the noise of a mean does not add to them), ``cos(E g, h)`` is formed from them, ``E||g||^2`` is the weighted
+    so the noise of a mean does not add to them), ``cos(E g, h)`` is formed from them, ``scale = <E g, h> / ||h||^2``
+    (how much of ``h`` the mean update carries: 1 for an unbiased rule), ``E||g||^2`` is the weighted
     mean of the draws' squared norms; standard errors by the jackknife over batches (over draws for ``E||g||^2``,
     conservative: the spread between prompts is counted too).
     """
@@ -275,8 +287,12 @@ def batch_statistics(batch_means: Tensor, target: Tensor, draw_norms: Tensor, dr
     def bias_sq(index: Tensor) -> float:
         return mean_sq(index) - 2 * float(cross[index].mean()) + hh
 
-    def cosine(index: Tensor) -> float:
-        return float(cross[index].mean()) / math.sqrt(max(mean_sq(index), 1e-300) * hh)
+    def cosine(index: Tensor) -> float:  # undefined where ||E g||^2 is estimated at or below 0
+        norm_sq = mean_sq(index)
+        return float(cross[index].mean()) / math.sqrt(norm_sq * hh) if norm_sq > 0 else math.nan
+
+    def scale(index: Tensor) -> float:
+        return float(cross[index].mean()) / hh
 
     weights = draw_weights / draw_weights.sum()
     m2 = float((weights * draw_norms).sum())
@@ -287,6 +303,7 @@ def batch_statistics(batch_means: Tensor, target: Tensor, draw_norms: Tensor, dr
         "bias_sq": jackknife(count, bias_sq),
         "mean_norm_sq": mean_norm_sq,
         "cosine": jackknife(count, cosine) if hh > 0 else Estimate(math.nan),
+        "scale": jackknife(count, scale) if hh > 0 else Estimate(math.nan),
         "second_moment": Estimate(m2, math.sqrt(spread)),
         "variance": Estimate(m2 - mean_norm_sq.value, math.hypot(math.sqrt(spread), mean_norm_sq.se)),
     }
@@ -300,4 +317,5 @@ def exact_statistics(mean: Tensor, target: Tensor) -> dict:
         "bias_sq": Estimate(float((mean - target) @ (mean - target))),
         "mean_norm_sq": Estimate(mm),
         "cosine": Estimate(float(mean @ target) / math.sqrt(mm * hh)) if mm > 0 and hh > 0 else Estimate(math.nan),
+        "scale": Estimate(float(mean @ target) / hh) if hh > 0 else Estimate(math.nan),
     }

@@ -105,7 +105,8 @@ def fit_command(config: list[str], delays: list[int], folder: Path) -> list[str]
             "--trainer.logger.init_args.save_dir", str(folder), "--trainer.logger.init_args.name", "fit",
             "--checkpoint.dirpath", str(folder / "checkpoints"), "--checkpoint.filename", "update-{step}",
             "--checkpoint.auto_insert_metric_name", "false", "--checkpoint.every_n_train_steps", "0",
-            "--checkpoint.save_last", "false", "--checkpoint.at_steps", json.dumps([d for d in delays if d > 0])]  # fmt: skip
+            "--checkpoint.save_last", "false",
+            "--checkpoint.at_steps", json.dumps([d for d in delays if d > 0])]  # fmt: skip
 
 
 def trained_policies(config: list[str], delays: list[int], folder: Path) -> dict[int, Path]:

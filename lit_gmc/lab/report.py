@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 CSV_COLUMNS = ("rule", "group_size", "delay", "aggregation", "estimate", "bias", "bias_low", "bias_high",
-               "relative_bias", "cosine", "cosine_se", "second_moment", "second_moment_se", "variance",
+               "relative_bias", "cosine", "cosine_se", "scale", "second_moment", "second_moment_se", "variance",
                "removed_mass", "bound_second_moment", "bound_bias_removed_mass", "bound_bias_chi2",
                "true_gradient_norm", "chi2", "kl_behavior_current")  # fmt: skip
 
@@ -33,7 +33,7 @@ def rows(records: list[dict], cells: list[dict]) -> list[dict]:
                 "rule": cell["rule"], "group_size": cell["group_size"], "delay": cell["delay"],
                 "aggregation": cell["aggregation"], "estimate": kind, "bias": est["bias"],
                 "bias_low": est["bias_low"], "bias_high": est["bias_high"], "relative_bias": est["relative_bias"],
-                "cosine": est["cosine"]["value"], "cosine_se": est["cosine"]["se"],
+                "cosine": est["cosine"]["value"], "cosine_se": est["cosine"]["se"], "scale": est["scale"]["value"],
                 "second_moment": cell["mc"]["second_moment"]["value"],
                 "second_moment_se": cell["mc"]["second_moment"]["se"], "variance": cell["mc"]["variance"]["value"],
                 "removed_mass": est.get("removed_mass", cell["removed_mass"]),
@@ -46,6 +46,7 @@ def rows(records: list[dict], cells: list[dict]) -> list[dict]:
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits; ``–`` for None or NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return f"{value:.{digits}g}"
@@ -60,14 +61,16 @@ def markdown(meta: dict, records: list[dict], table: list[dict]) -> str:
         lines.append(f"| {r['delay']} | {fmt(r['kl_behavior_current'])} | {fmt(r['chi2'])} | "
                      f"{r['reward_behavior']:.3f} -> {r['reward_current']:.3f} | {fmt(r['true_gradient_norm'])} | "
                      f"{limit} |")  # fmt: skip
-    lines += ["", "| rule | G | delay | estimate | bias (95% CI) | relative bias | cosine | E\\|\\|g\\|\\|^2 | "
-              "variance | removed mass | bounds: E\\|\\|g\\|\\|^2, bias |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| rule | G | delay | estimate | bias (95% CI) | relative bias | cosine | scale | E\\|\\|g\\|\\|^2 | "
+              "variance | removed mass | bounds: E\\|\\|g\\|\\|^2, bias |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in sorted(table, key=lambda r: (r["rule"], r["group_size"], r["delay"], r["estimate"])):
         interval = "exact" if row["estimate"] == "exact" else f"[{fmt(row['bias_low'])}, {fmt(row['bias_high'])}]"
         bound = ", ".join(fmt(row[k]) for k in ("bound_second_moment", "bound_bias_removed_mass", "bound_bias_chi2")
                           if row[k] is not None) or "–"  # fmt: skip
         lines.append(f"| {row['rule']} | {row['group_size']} | {row['delay']} | {row['estimate']} | "
                      f"{fmt(row['bias'])} {interval} | {fmt(row['relative_bias'])} | {fmt(row['cosine'], 4)} | "
+                     f"{fmt(row['scale'])} | "
                      f"{fmt(row['second_moment'])} | {fmt(row['variance'])} | {fmt(row['removed_mass'])} | {bound} |")
     return "\n".join(lines) + "\n"
 

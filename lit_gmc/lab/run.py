@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lit_gmc import objectives as O
 from lit_gmc.corrections import Correction
 from lit_gmc.errors import UserError
 from lit_gmc.lab.measure import (
@@ -32,7 +31,7 @@ from lit_gmc.lab.measure import (
     kept_rows,
     loss_gradients,
 )
-from lit_gmc.lab.space import PromptSpace, score_vectors, token_logprobs
+from lit_gmc.lab.space import PromptSpace, prefix_scores, token_logprobs
 from lit_gmc.rules._token_level import TokenLevel
 
 SCORE_MEMORY_GB = 6.0
@@ -74,6 +73,7 @@ class CellParts:
 
 
 def dimension(model: nn.Module) -> int:
+    """The number of parameters of ``model``."""
     return sum(p.numel() for _, p in model.named_parameters())
 
 
@@ -86,8 +86,11 @@ def measure_delay(
     settings: Settings,
     advance: Callable[[str], None] = lambda _: None,
 ) -> tuple[dict, list[dict]]:
-    """Measure every cell with ``model`` as the current policy; ``behavior[p]`` is prompt ``p``'s ``(N, T)``
-    behaviour log-probs. Returns the delay's record and one record per cell (see :mod:`lit_gmc.lab.report`)."""
+    """Measure every cell with ``model`` as the current policy against the behaviour log-probs ``behavior``.
+
+    ``behavior[p]`` is prompt ``p``'s ``(N, T)`` behaviour log-probs. Returns the delay's record and one record per
+    cell (see :mod:`lit_gmc.lab.report`).
+    """
     count, d = len(spaces), dimension(model)
     parts = {i: CellParts(torch.zeros(settings.batches, d, dtype=torch.float64)) for i in range(len(cells))}
     tic_caps = sorted({c.rule.cap for c in cells if type(c.rule).__name__ == "TIC"})
@@ -100,14 +103,14 @@ def measure_delay(
         groups = {g: draw_groups(data.p_behavior, settings.draws, g, seeded(settings.seed, delay, p, g))
                   for g in sorted({c.group_size for c in cells})}  # fmt: skip
         block = torch.unique(torch.cat([kept, *(rows.reshape(-1) for rows in groups.values())]))  # sorted
-        scores, rows_of, tokens_of = block_scores(model, space, block, d, settings.temperature)  # (U, d) float32
+        scores, rows_of, tokens_of, prefix = block_scores(model, space, block, d, settings.temperature)  # (Q, d)
         index_of = torch.full(space.mask.shape, -1, dtype=torch.long)  # (N, T) -> row of `scores`
-        index_of[rows_of, tokens_of] = torch.arange(rows_of.numel())
-        row_vectors = torch.zeros(block.numel(), d).index_add_(0, torch.searchsorted(block, rows_of), scores)
+        index_of[rows_of, tokens_of] = prefix
+        incidence = torch.zeros(block.numel(), scores.shape[0], dtype=scores.dtype)  # (rows, Q): a row's prefixes
+        incidence[torch.searchsorted(block, rows_of), prefix] = 1.0
         norms_sq = torch.zeros(space.size, dtype=torch.float64)
-        norms_sq[block] = row_vectors.double().square().sum(-1)
-        del row_vectors
-
+        norms_sq[block] = (incidence @ scores).double().square().sum(-1)
+        del incidence
         # The rules on the draws (batch columns, per-draw coefficients) and on every group of the kept responses;
         # each column is an (N, T) weighting of the score vectors, 1/count of it (the mean over prompts).
         columns = [data.true_coefficients(), *(data.tic_limit_coefficients(c) for c in tic_caps)]
@@ -127,8 +130,9 @@ def measure_delay(
                 exact_columns.append(exact[0])
                 parts[i].exact_removed_mass.append(exact[1])
                 parts[i].exact_left_out.append(exact[2])
-        weights = torch.stack(columns + exact_columns)[:, rows_of, tokens_of]  # (C, U)
-        sums = (weights @ scores.double()) / count  # (C, d)
+        per_token = torch.stack(columns + exact_columns)[:, rows_of, tokens_of]  # (C, U)
+        weights = torch.zeros(per_token.shape[0], scores.shape[0], dtype=torch.float64).index_add_(1, prefix, per_token)
+        sums = (weights.to(scores.dtype) @ scores).double() / count  # (C, d)
         target += sums[0]
         tic_limits += sums[1 : 1 + len(tic_caps)]
         at = 1 + len(tic_caps)
@@ -140,7 +144,7 @@ def measure_delay(
 
         # Every draw's ||g||^2, from the Gram matrix of the drawn positions.
         drawn = torch.unique(torch.cat([rows.reshape(-1) for rows in groups.values()]))
-        at_drawn = index_of[drawn][space.mask[drawn]]  # rows of `scores` that some draw uses
+        at_drawn = torch.unique(index_of[drawn][space.mask[drawn]])  # rows of `scores` that some draw uses
         gram = torch.zeros(scores.shape[0], scores.shape[0], dtype=torch.float64)
         gram[at_drawn[:, None], at_drawn[None, :]] = (scores[at_drawn] @ scores[at_drawn].T).double()
         for i, cell in enumerate(cells):
@@ -154,18 +158,20 @@ def measure_delay(
 
 
 def block_scores(model: nn.Module, space: PromptSpace, rows: Tensor, d: int, temperature: float
-                 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(scores (U, d), row (U,), token (U,))``: the per-token score vectors of the real tokens of ``rows``.
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(scores (Q, d), row (U,), token (U,), prefix (U,))``: the prefixes' score vectors, and where each token is.
 
-    Refused, naming the prompt, when they would take more than :data:`SCORE_MEMORY_GB`.
+    The score vectors of the distinct prefixes among the real tokens of ``rows``
+    (:func:`~lit_gmc.lab.space.prefix_scores`), and for each real token its row, position and prefix. Refused, naming
+    the prompt, when the scores would take more than :data:`SCORE_MEMORY_GB`.
     """
-    where = torch.nonzero(space.mask[rows])  # (U, 2), in the order score_vectors yields them
-    size_gb = where.shape[0] * d * 4 / 1e9
+    where = torch.nonzero(space.mask[rows])  # (U, 2)
+    size_gb = where.shape[0] * d * 4 / 1e9  # at most one prefix a token
     if size_gb > SCORE_MEMORY_GB:
-        raise UserError(f"the responses kept and drawn for {space.prompt!r} need {size_gb:.1f} GB of score vectors "
-                        f"(more than {SCORE_MEMORY_GB:g}): raise --omit, or lower --draws or --max-tokens")  # fmt: skip
-    parts = [s[space.mask[index]].float() for index, s in score_vectors(model, space, rows, temperature)]
-    return torch.cat(parts), rows[where[:, 0]], where[:, 1]
+        raise UserError(f"the responses kept and drawn for {space.prompt!r} need up to {size_gb:.1f} GB of score "
+                        f"vectors (more than {SCORE_MEMORY_GB:g}): raise --omit, or lower --draws or --max-tokens")
+    scores, prefix = prefix_scores(model, space, rows, temperature)
+    return scores, rows[where[:, 0]], where[:, 1], prefix
 
 
 def seeded(*keys: int) -> torch.Generator:
@@ -250,14 +256,19 @@ def cell_record(cell: Cell, parts: CellParts, target: Tensor, delay: int, prompt
 
 
 def summary(stats: dict[str, Estimate], target_norm: float) -> dict:
-    """Bias (from its square, interval clipped at 0), relative bias, cosine and the moments, as plain numbers."""
+    """Bias, relative bias, cosine and the moments, as plain numbers.
+
+    The bias and its interval come from its square: ``[sqrt(max(U - 1.96 se, 0)), sqrt(max(U, 0) + 1.96 se)]``.
+    """
     bias_sq = stats["bias_sq"]
     out = {
         "bias": math.sqrt(max(bias_sq.value, 0.0)),
         "bias_low": math.sqrt(max(bias_sq.low, 0.0)),
-        "bias_high": math.sqrt(max(bias_sq.high, 0.0)),
+        # A U-statistic of a zero bias is negative half the time: the upper end never falls below the resolution.
+        "bias_high": math.sqrt(max(bias_sq.value, 0.0) + 1.96 * bias_sq.se),
         "bias_sq": bias_sq.as_dict(),
         "cosine": stats["cosine"].as_dict(),
+        "scale": stats["scale"].as_dict(),
         "mean_norm": math.sqrt(max(stats["mean_norm_sq"].value, 0.0)),
     }
     out["relative_bias"] = out["bias"] / target_norm if target_norm > 0 else math.nan

@@ -11,6 +11,7 @@ order.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -130,28 +131,43 @@ def token_logprobs(model: nn.Module, space: PromptSpace, temperature: float = 1.
     return torch.cat(out).double().masked_fill(~space.mask, 0.0)
 
 
-def score_vectors(
-    model: nn.Module, space: PromptSpace, rows: Tensor, temperature: float = 1.0, chunk_rows: int = 32
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """``(row indices, scores)`` in chunks: ``scores`` is ``(c, T, d)``, ``grad_theta log pi_theta(y_t | x, y_<t)``.
+def prefix_scores(
+    model: nn.Module, space: PromptSpace, rows: Tensor, temperature: float = 1.0, chunk: int = 64
+) -> tuple[Tensor, Tensor]:
+    """Score vectors of the real tokens of ``rows``, each distinct prefix once.
 
-    ``d`` runs over ``model.named_parameters()`` flattened in order (tied weights once); padding positions hold
-    the gradient of junk and must be masked by the caller.
+    Token ``t`` of a response has the score ``grad_theta log pi_theta(y_t | x, y_<t)``, which depends on the response
+    only through ``y_<=t``: responses that share a first token share its score. Returns ``(scores, prefix)``:
+    ``scores`` ``(Q, d)`` of the ``Q`` distinct prefixes (float, the model's dtype), ``prefix`` ``(U,)`` the index
+    into them of every real token of ``rows``, in row-major order (``torch.nonzero(space.mask[rows])``'s). ``d`` runs
+    over ``model.named_parameters()`` flattened in order (tied weights once).
     """
-    from torch.func import functional_call, jacrev, vmap
+    from torch.func import functional_call, grad, vmap
 
+    where = torch.nonzero(space.mask[rows])  # (U, 2)
+    length = space.max_tokens
+    tokens = space.response_ids[rows[where[:, 0]]]  # (U, T)
+    keys = tokens.masked_fill(torch.arange(length)[None, :] > where[:, 1:2], -1)  # (U, T): y_<=t, then -1
+    keys, prefix = torch.unique(keys, dim=0, return_inverse=True)  # (Q, T), (U,)
+    last = (keys >= 0).sum(-1) - 1  # (Q,) the position t of each prefix's own token
     names = [name for name, _ in model.named_parameters()]
     params = {name: p.detach() for name, p in model.named_parameters()}
-    width = space.prompt_ids.numel()
 
-    def row_logprobs(values: dict[str, Tensor], ids: Tensor) -> Tensor:  # (T,)
-        logits = functional_call(model, values, args=(), kwargs={"input_ids": ids[None], "use_cache": False}).logits
-        return _token_logprobs(logits[0], ids, width, temperature)
+    def token_logprob(values: dict[str, Tensor], context: Tensor, token: Tensor) -> Tensor:  # ()
+        logits = functional_call(model, values, args=(), kwargs={"input_ids": context[None], "use_cache": False})
+        head = logits.logits[0, -1]
+        head = head.to(torch.promote_types(head.dtype, torch.float32)) / temperature  # as the learner's head
+        return torch.log_softmax(head, -1).gather(0, token[None])[0]
 
-    jacobian = vmap(jacrev(row_logprobs), in_dims=(None, 0))
-    all_rows = space.rows()
-    for part in chunks(rows.numel(), chunk_rows):
-        index = rows[part]
-        jac = jacobian(params, all_rows[index])  # name -> (c, T, *shape)
-        yield index, torch.cat([jac[name].flatten(2) for name in names], dim=2)  # (c, T, d)
-
+    gradient = vmap(grad(token_logprob), in_dims=(None, 0, 0))
+    scores = torch.empty(keys.shape[0], sum(p.numel() for p in params.values()),
+                         dtype=next(iter(params.values())).dtype)
+    with warnings.catch_warnings():  # vmap runs attention's CPU kernel row by row and says so at every call: right
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+        for t in torch.unique(last).tolist():
+            at = (last == t).nonzero()[:, 0]  # prefixes whose own token is y_t: context is the prompt and y_<t
+            contexts = torch.cat([space.prompt_ids.expand(at.numel(), -1), keys[at, :t]], dim=1)
+            for part in chunks(at.numel(), chunk):
+                grads = gradient(params, contexts[part], keys[at[part], t])  # name -> (c, *shape)
+                scores[at[part]] = torch.cat([grads[name].flatten(1) for name in names], dim=1)
+    return scores, prefix
