@@ -349,6 +349,28 @@ def test_estimate_on_two_folders_writes_the_table_the_figures_and_the_numbers(tw
         assert (out / f"{name}.png").stat().st_size > 10_000 and (out / f"{name}.pdf").is_file()
 
 
+def test_estimate_trains_the_current_policies_from_the_embedded_default_once(tmp_path, capsys):
+    """The default path, shrunk: ``lit-gmc fit`` trains theta_1 on theta_0's rollouts, the lab measures delays 0 and
+    1, and a second call reuses the trained policies (the same command recorded beside them)."""
+    argv = ["estimate", "--out", str(tmp_path), "--delays", "0", "1", "--rules", "IS", "GMC", "--group-sizes", "2",
+            "--sweep-rules", "TIC", "--sweep-group-sizes", "2", "3", "4", "--max-tokens", "1", "--prompts", "2",
+            "--candidates", "2", "--draws", "30", "--batches", "3"]  # fmt: skip
+    run(argv)
+    checkpoint = tmp_path / "policies" / "checkpoints" / "update-1.ckpt"
+    assert checkpoint.is_file() and (tmp_path / "policies" / "fit_command.json").is_file()
+    data = json.loads((tmp_path / "lab.json").read_text())
+    by = {(c["rule"], c["group_size"], c["delay"]): c for c in data["cells"]}
+    assert set(by) == {("IS", 2, 0), ("GMC", 2, 0), ("IS", 2, 1), ("GMC", 2, 1), ("TIC", 2, 1), ("TIC", 3, 1),
+                       ("TIC", 4, 1)}  # fmt: skip
+    assert by[("IS", 2, 1)]["exact"]["relative_bias"] < 1e-4  # float32 model, every response kept but 1e-5 of mass
+    assert data["delays"][1]["kl_behavior_current"] > 0 == data["delays"][0]["kl_behavior_current"]
+    assert set(data["meta"]["phases"]) == {"policies", "prompts", "delay 0", "delay 1"}
+    written = checkpoint.stat().st_mtime_ns
+    run(argv)
+    assert checkpoint.stat().st_mtime_ns == written  # reused, not trained again
+    assert capsys.readouterr().out.count("estimator lab:") == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

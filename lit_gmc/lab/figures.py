@@ -122,7 +122,8 @@ def by_delay(out: Path, records: list[dict], cells: list[dict], name: str, quant
             ax.set_yscale("log")
         ax.set_xlabel("delay (updates)")
         ax.set_title(f"{'trajectory weights' if family == 'trajectory' else 'token-level rules'}, G = {g}")
-        ax.legend(fontsize=7, ncol=2)
+        if ax.get_legend_handles_labels()[0]:  # a family with no rule measured has an empty panel
+            ax.legend(fontsize=7, ncol=2)
     axes[0].set_ylabel("relative bias" if quantity == "bias" else "E||g||^2")
     return _save(fig, out, name)
 
