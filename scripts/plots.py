@@ -68,7 +68,15 @@ SIMULATED_ORDER = ("grpo", "gac", "vcpo", "tic", "gmc")
 METHOD_ORDER = (*FIXED_DELAY_ORDER, "vcpo", "gac", "a3po")
 """Default row and legend order; rules not listed follow in name order."""
 LABELS = {"gmc": "GMC-GRPO", "tic": "TIC-GRPO", "a3po": "A-3PO"}
-"""The paper's names of the rules that are not the rule's name in capitals (Sec. 5, Tables 1-5)."""
+"""The paper's names of the rules that are not the rule's class name (Sec. 5, Tables 1-5)."""
+
+
+def method_label(method: str) -> str:
+    """A sweep's method (a rule's name in lower case) as tables and legends show it: the paper's name, else the rule's
+    class name (``IcePop``, ``SeqTIS``), else the method in capitals."""
+    from lit_gmc.rules import registered
+
+    return LABELS.get(method) or {name.lower(): name for name in registered()}.get(method, method.upper())
 MODEL_KEYS = ("actor", "model")
 """Manifest fields naming a run's model, tried before ``overrides["model.actor"]`` and the run's config.json."""
 
@@ -96,7 +104,7 @@ class Run:
 
     @property
     def label(self) -> str:
-        return LABELS.get(self.method, self.method.upper()) + (" + Cor. 1" if self.eps_schedule == "corollary1" else "")
+        return method_label(self.method) + (" + Cor. 1" if self.eps_schedule == "corollary1" else "")
 
     def series(self, tags: tuple[str, ...]) -> list[tuple[int, float]]:
         for tag in tags:

@@ -31,7 +31,7 @@ from lit_gmc.lab.measure import (
     kept_rows,
     loss_gradients,
 )
-from lit_gmc.lab.run import Cell, Settings, measure_delay
+from lit_gmc.lab.run import Cell, Settings, measure_delay, measure_delay_sampled
 from lit_gmc.lab.space import all_responses, prefix_scores, prompt_space, response_count, token_logprobs
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.module import GMCModule
@@ -252,6 +252,27 @@ def test_measure_delay_reports_is_unbiased_a_biased_rule_biased_and_exact_within
     assert by[("GMC", 2)]["bounds"]["bias_chi2"] >= by[("GMC", 2)]["exact"]["bias"]
 
 
+def test_sampled_responses_give_the_enumerated_measurements_within_their_errors(policies, float64_rmsnorm):
+    """Where both apply (one-token responses), the sampled mode's h, chi^2 and biases agree with the exact sums."""
+    behavior, current, tokenizer = policies
+    spaces, lb, _ = spaces_and_data(policies, 1)
+    cells = [Cell("IS", IS(), 2, exact=True), Cell("GMC", GMC(), 2, exact=True), Cell("TIC", TIC(), 3)]
+    record, exact = measure_delay(current, spaces, lb, 4, cells, Settings(draws=4000, omit=0.0, max_tokens=1))
+    sampled_record, sampled = measure_delay_sampled(behavior, current, PROMPTS, tokenizer, digit_first, 4, cells,
+                                                    Settings(draws=4000, max_tokens=1))  # fmt: skip
+    assert sampled_record["true_gradient_norm"] == pytest.approx(record["true_gradient_norm"], rel=0.05)
+    for estimated, truth in zip(sampled_record["prompts"], record["prompts"], strict=True):
+        assert abs(estimated["chi2"] - truth["chi2"]) < 4 * estimated["chi2_se"]
+        assert abs(estimated["reward_current"] - truth["reward_current"]) < 4 * estimated["reward_current_se"]
+    by = {c["rule"]: c for c in sampled}
+    assert by["IS"]["mc"]["bias_low"] == 0.0 and by["TIC"]["mc"]["bias_low"] > 0
+    gmc = next(c for c in exact if c["rule"] == "GMC")["exact"]["bias"]
+    assert by["GMC"]["mc"]["bias_low"] <= gmc <= by["GMC"]["mc"]["bias_high"]
+    tic = next(c for c in exact if c["rule"] == "TIC")["mc"]
+    assert by["TIC"]["mc"]["bias_low"] <= tic["bias_high"] and tic["bias_low"] <= by["TIC"]["mc"]["bias_high"]
+    assert all(c["exact"] is None for c in sampled)  # nothing is summed exactly over samples
+
+
 def test_batch_statistics_are_unbiased_for_known_gaussian_draws():
     """Draws g = mu + noise with known mu and E||g||^2: the U-statistics' intervals hold them (seeded)."""
     gen = torch.Generator().manual_seed(1)
@@ -369,6 +390,18 @@ def test_estimate_trains_the_current_policies_from_the_embedded_default_once(tmp
     run(argv)
     assert checkpoint.stat().st_mtime_ns == written  # reused, not trained again
     assert capsys.readouterr().out.count("estimator lab:") == 2
+
+
+def test_estimate_samples_where_the_space_is_too_large_to_enumerate(two_folders, tmp_path):
+    folders = ["--behavior", str(two_folders / "behavior"), "--current", str(two_folders / "current"), "--delay", "3"]
+    small = ["--rules", "IS", "GMC", "--group-sizes", "2", "--sweep-rules", "--prompts", "1", "--candidates", "2",
+             "--draws", "40", "--batches", "4", "--max-tokens", "4"]  # fmt: skip
+    with pytest.raises(UserError, match="--max-tokens 4: a vocabulary of 46 tokens gives 4,193,821 responses"):
+        run(["estimate", *folders, *small, "--out", str(tmp_path / "enumerated")])
+    run(["estimate", *folders, *small, "--space", "sampled", "--out", str(tmp_path / "sampled")])
+    data = json.loads((tmp_path / "sampled" / "lab.json").read_text())
+    assert data["delays"][0]["space"] == "sampled" and data["delays"][0]["prompts"][0]["max_tokens"] == 4
+    assert {c["rule"] for c in data["cells"]} == {"IS", "GMC"} and all(c["exact"] is None for c in data["cells"])
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,10 @@ Two ways to get the policies: train ``theta_tau`` from the config's actor ``thet
 (the default: the tiny policy on the embedded default), or give two checkpoints of a run (``--behavior``,
 ``--current``, their delay from their updates or ``--delay``). The prompts are the task's training prompts whose reward
 varies most under ``theta_b`` (``--prompts`` of ``--candidates``); the response space of each is every response of at
-most ``--max-tokens`` tokens. Writes ``lab.json`` (everything), ``lab.csv`` (a row per rule x G x delay), ``lab.md``
-(the table) and the figures (PNG and PDF) to ``--out``.
+most ``--max-tokens`` tokens (``--space enumerated``), or the responses sampled from each policy (``--space
+sampled``, where there are too many to enumerate: ``grad J / T`` is then itself estimated). Writes ``lab.json``
+(everything), ``lab.csv`` (a row per rule x G x delay), ``lab.md`` (the table) and the figures (PNG and PDF) to
+``--out``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, default=24,
                    help="training prompts among which the --prompts of largest reward variance are taken")
     p.add_argument("--max-tokens", type=int, default=2, help="T: responses of at most T tokens (default: %(default)s)")
+    p.add_argument("--space", choices=("enumerated", "sampled"), default="enumerated",
+                   help="enumerated: every response, exact sums; sampled: responses drawn from each policy, grad J / T "
+                   "itself a Monte-Carlo estimate (for spaces too large to enumerate) (default: %(default)s)")
+    p.add_argument("--target-group", type=int, default=8,
+                   help="sampled: the group size of the on-policy estimator of grad J / T (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
     p.add_argument("--draws", type=int, default=1000,
                    help="groups drawn per prompt, G and delay (default: %(default)s)")
@@ -90,7 +97,7 @@ def option_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--omit {args.omit} must be in [0, 1)")
     if any(d < 0 for d in args.delays) or (args.delay is not None and args.delay < 0):
         problems.append(f"--delays/--delay must be >= 0, got {args.delay if args.delay is not None else args.delays}")
-    if any(g < 2 for g in (*args.group_sizes, *args.sweep_group_sizes)):
+    if any(g < 2 for g in (*args.group_sizes, *args.sweep_group_sizes, args.target_group)):
         problems.append("group sizes must be >= 2 (leave-one-out advantages need two responses)")
     if not (args.reward_bound > 0 and args.temperature > 0):
         problems.append("--reward-bound and --temperature must be > 0")
@@ -158,22 +165,36 @@ def config_actor(config: list[str]) -> str:
 
 
 def choose_prompts(task, behavior, args) -> list:
-    """The ``--prompts`` training prompts of largest reward variance under ``theta_b`` among ``--candidates``."""
-    from lit_gmc.lab.space import prompt_space, token_logprobs
+    """The ``--prompts`` training prompts of largest reward variance under ``theta_b`` among ``--candidates``.
 
-    prompts = [p for p in task.train_prompts() if len(behavior.tokenizer(p.answer, add_special_tokens=False)
-                                                      ["input_ids"]) <= args.max_tokens]  # fmt: skip
+    Each as ``(variance, space, behaviour log-probs)`` (enumerated) or ``(variance, (text, answer), None)`` (sampled:
+    the mean reward of 64 samples).
+    """
+    from lit_gmc.lab.run import seeded
+    from lit_gmc.lab.space import prompt_space, sample_responses, token_logprobs
+
+    tokenizer = behavior.tokenizer
+    prompts = [p for p in task.train_prompts()
+               if len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) <= args.max_tokens]  # fmt: skip
     if len(prompts) < args.prompts:
         raise UserError(f"--max-tokens {args.max_tokens}: only {len(prompts)} training prompts of --task {args.task} "
                         f"have an answer that short, fewer than --prompts {args.prompts}")  # fmt: skip
     picked = random.Random(args.seed).sample(prompts, min(args.candidates, len(prompts)))
     scored = []
-    for prompt in picked:
-        space = prompt_space(prompt.text, prompt.answer, behavior.tokenizer, args.max_tokens, task.score)
-        logprobs = token_logprobs(behavior.model, space, args.temperature)
-        mean = float((logprobs.sum(-1).exp() * space.rewards).sum())
-        scored.append((mean * (args.reward_bound - mean), space, logprobs))
-    scored.sort(key=lambda item: -item[0])
+    for index, prompt in enumerate(picked):
+        if args.space == "enumerated":
+            space = prompt_space(prompt.text, prompt.answer, tokenizer, args.max_tokens, task.score)
+            logprobs = token_logprobs(behavior.model, space, args.temperature)
+            mean, item = float((logprobs.sum(-1).exp() * space.rewards).sum()), (space, logprobs)
+        else:
+            prompt_ids = torch.tensor(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+            ids, mask = sample_responses(behavior.model, prompt_ids, 64, args.max_tokens, tokenizer.eos_token_id,
+                                         tokenizer.pad_token_id, seeded(args.seed, index), args.temperature)
+            texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask, strict=True)],
+                                           skip_special_tokens=True)  # fmt: skip
+            mean, item = sum(task.score(texts, prompt.answer)) / len(texts), ((prompt.text, prompt.answer), None)
+        scored.append((mean * (args.reward_bound - mean), *item))
+    scored.sort(key=lambda entry: -entry[0])
     return scored[: args.prompts]
 
 
@@ -223,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lit_gmc.lab.policies import load_policy
     from lit_gmc.lab.report import write_report
-    from lit_gmc.lab.run import Cell, Settings, measure_delay
+    from lit_gmc.lab.run import Cell, Settings, measure_delay, measure_delay_sampled
 
     out = Path(args.out)
     rules = rule_classes(args.rules)
@@ -237,10 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     if sweep and sweep_delay not in delays:
         raise UserError(f"--sweep-delay {sweep_delay} is not one of the delays measured ({delays})")
     chosen = choose_prompts(task, behavior, args)
-    spaces, behavior_logprobs = [space for _, space, _ in chosen], [lp for _, _, lp in chosen]
+    spaces, behavior_logprobs = [item for _, item, _ in chosen], [lp for _, _, lp in chosen]
     clock.lap("prompts")
-    settings = Settings(draws=args.draws, batches=args.batches, omit=args.omit, temperature=args.temperature,
-                        reward_bound=args.reward_bound, seed=args.seed)  # fmt: skip
+    settings = Settings(draws=args.draws, batches=args.batches, omit=args.omit, max_tokens=args.max_tokens,
+                        target_group=args.target_group, temperature=args.temperature, reward_bound=args.reward_bound,
+                        seed=args.seed)  # fmt: skip
     records, cells_out = [], []
     with Progress(transient=False) as progress:
         bar = progress.add_task("estimator lab", total=len(delays) * len(spaces))
@@ -251,10 +273,13 @@ def main(argv: list[str] | None = None) -> None:
             cells = [Cell(name, build_rule(name, cls, args.aggregation), g, exact=g == 2) for name, cls in grid.items()
                      for g in sorted({*(args.group_sizes if name in rules else ()),
                                       *(args.sweep_group_sizes if tau == sweep_delay and name in sweep else ())})]
-            record, cell_records = measure_delay(
-                policy.model, spaces, behavior_logprobs, tau, cells, settings,
-                advance=lambda text: progress.update(bar, advance=1, description=text),
-            )  # fmt: skip
+            advance = lambda text: progress.update(bar, advance=1, description=text)  # noqa: E731
+            if args.space == "enumerated":
+                record, cell_records = measure_delay(policy.model, spaces, behavior_logprobs, tau, cells, settings,
+                                                     advance)  # fmt: skip
+            else:
+                record, cell_records = measure_delay_sampled(behavior.model, policy.model, spaces, behavior.tokenizer,
+                                                             task.score, tau, cells, settings, advance)  # fmt: skip
             records.append(record)
             cells_out += cell_records
             clock.lap(f"delay {tau}")

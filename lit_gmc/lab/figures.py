@@ -7,6 +7,7 @@ the exact sums (``G = 2``), lines without markers the paper's bounds with their 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -22,6 +23,8 @@ def _save(fig: Figure, out: Path, name: str) -> list[Path]:
 def _relative(cell: dict, kind: str, norm: float) -> tuple[float, float, float]:
     """``(relative bias, low, high)`` of a cell's ``mc`` or ``exact`` estimate."""
     est = cell[kind]
+    if norm <= 0:  # ||h|| estimated at 0 (sampled spaces, few draws): no relative bias to draw
+        return math.nan, math.nan, math.nan
     return est["bias"] / norm, est["bias_low"] / norm, est["bias_high"] / norm
 
 

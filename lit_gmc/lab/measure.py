@@ -266,33 +266,41 @@ def off_diagonal_mean(gram: Tensor) -> float:
 
 
 def batch_statistics(batch_means: Tensor, target: Tensor, draw_norms: Tensor, draw_weights: Tensor) -> dict:
-    """Unbiased estimates of an update ``g``'s bias, norm, cosine, scale, second moment and variance against ``h``.
+    """Unbiased estimates from ``(K, d)`` batch means of an update ``g`` and its target ``h``.
 
-    From ``(K, d)`` batch means of ``g``, an exact ``(d,)`` target ``h`` and the squared norms of every drawn update
-    (``draw_weights``: each draw's share of the expectation).
-
-    ``bias^2 = ||E g - h||^2`` and ``||E g||^2`` are U-statistics over pairs of batches (their means are independent,
-    so the noise of a mean does not add to them), ``cos(E g, h)`` is formed from them, ``scale = <E g, h> / ||h||^2``
-    (how much of ``h`` the mean update carries: 1 for an unbiased rule), ``E||g||^2`` is the weighted
-    mean of the draws' squared norms; standard errors by the jackknife over batches (over draws for ``E||g||^2``,
-    conservative: the spread between prompts is counted too).
+    ``h`` is exact ``(d,)`` or its own ``(K, d)`` batch means, independent of ``g``'s (sampled spaces);
+    ``draw_norms`` are the squared norms of every drawn update, ``draw_weights`` each draw's share of the expectation.
+    ``bias^2 = ||E g - h||^2``, ``||E g||^2`` and ``||h||^2`` are U-statistics over pairs of batches (their means are
+    independent, so the noise of a mean does not add to them), ``<E g, h>`` the mean over every pair; ``cos(E g, h)``
+    and ``scale = <E g, h> / ||h||^2`` (how much of ``h`` the mean update carries: 1 for an unbiased rule) are formed
+    from them; ``E||g||^2`` is the weighted mean of the draws' squared norms. Standard errors by the jackknife over
+    batches (over draws for ``E||g||^2``, conservative: the spread between prompts is counted too).
     """
+    targets = target.expand_as(batch_means) if target.dim() == 1 else target  # (K, d)
     gram = batch_means @ batch_means.T  # (K, K)
-    cross = batch_means @ target  # (K,)
-    hh = float(target @ target)
+    cross = batch_means @ targets.T  # (K, K): <v_k, h_l>
+    target_gram = targets @ targets.T  # (K, K)
 
     def mean_sq(index: Tensor) -> float:
         return off_diagonal_mean(gram[index][:, index])
 
-    def bias_sq(index: Tensor) -> float:
-        return mean_sq(index) - 2 * float(cross[index].mean()) + hh
+    def target_sq(index: Tensor) -> float:
+        return off_diagonal_mean(target_gram[index][:, index])
 
-    def cosine(index: Tensor) -> float:  # undefined where ||E g||^2 is estimated at or below 0
-        norm_sq = mean_sq(index)
-        return float(cross[index].mean()) / math.sqrt(norm_sq * hh) if norm_sq > 0 else math.nan
+    def inner(index: Tensor) -> float:
+        return float(cross[index][:, index].mean())
+
+    def bias_sq(index: Tensor) -> float:
+        difference = gram - cross - cross.T + target_gram
+        return off_diagonal_mean(difference[index][:, index])
+
+    def cosine(index: Tensor) -> float:  # undefined where a squared norm is estimated at or below 0
+        norms = mean_sq(index) * target_sq(index)
+        return inner(index) / math.sqrt(norms) if norms > 0 and mean_sq(index) > 0 else math.nan
 
     def scale(index: Tensor) -> float:
-        return float(cross[index].mean()) / hh
+        hh = target_sq(index)
+        return inner(index) / hh if hh > 0 else math.nan
 
     weights = draw_weights / draw_weights.sum()
     m2 = float((weights * draw_norms).sum())
@@ -302,8 +310,9 @@ def batch_statistics(batch_means: Tensor, target: Tensor, draw_norms: Tensor, dr
     return {
         "bias_sq": jackknife(count, bias_sq),
         "mean_norm_sq": mean_norm_sq,
-        "cosine": jackknife(count, cosine) if hh > 0 else Estimate(math.nan),
-        "scale": jackknife(count, scale) if hh > 0 else Estimate(math.nan),
+        "target_norm_sq": jackknife(count, target_sq),
+        "cosine": jackknife(count, cosine),
+        "scale": jackknife(count, scale),
         "second_moment": Estimate(m2, math.sqrt(spread)),
         "variance": Estimate(m2 - mean_norm_sq.value, math.hypot(math.sqrt(spread), mean_norm_sq.se)),
     }

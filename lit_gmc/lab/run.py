@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lit_gmc import objectives as O
 from lit_gmc.corrections import Correction
 from lit_gmc.errors import UserError
 from lit_gmc.lab.measure import (
@@ -30,8 +31,10 @@ from lit_gmc.lab.measure import (
     expected_coefficients,
     kept_rows,
     loss_gradients,
+    off_diagonal_mean,
 )
-from lit_gmc.lab.space import PromptSpace, prefix_scores, token_logprobs
+from lit_gmc.lab.space import PromptSpace, prefix_scores, sample_responses, sampled_space, token_logprobs
+from lit_gmc.objectives import MISMATCH_LOG_RATIO_LIMIT
 from lit_gmc.rules._token_level import TokenLevel
 
 SCORE_MEMORY_GB = 6.0
@@ -52,9 +55,11 @@ class Cell:
 class Settings:
     """How the lab measures (the ``lit-gmc estimate`` options of the same names)."""
 
-    draws: int = 2000
+    draws: int = 1000
     batches: int = 10
-    omit: float = 1e-6
+    omit: float = 1e-5
+    max_tokens: int = 2
+    target_group: int = 8
     temperature: float = 1.0
     reward_bound: float = 1.0
     seed: int = 0
@@ -62,7 +67,7 @@ class Settings:
 
 @dataclass
 class CellParts:
-    """What one cell gathers over the prompts before its statistics."""
+    """What one cell gathers over the prompts before its statistics (each vector a prompt-weighted sum)."""
 
     batch_means: Tensor  # (K, d)
     draw_norms: list[Tensor] = field(default_factory=list)  # (M,) per prompt
@@ -86,75 +91,174 @@ def measure_delay(
     settings: Settings,
     advance: Callable[[str], None] = lambda _: None,
 ) -> tuple[dict, list[dict]]:
-    """Measure every cell with ``model`` as the current policy against the behaviour log-probs ``behavior``.
+    """Measure every cell on the enumerated ``spaces``, ``model`` the current policy, ``behavior`` the behaviour's.
 
-    ``behavior[p]`` is prompt ``p``'s ``(N, T)`` behaviour log-probs. Returns the delay's record and one record per
-    cell (see :mod:`lit_gmc.lab.report`).
+    ``behavior[p]`` is prompt ``p``'s ``(N, T)`` behaviour log-probs; ``advance`` is called after each prompt.
+    Returns the delay's record and one record per cell (see :mod:`lit_gmc.lab.report`).
     """
-    count, d = len(spaces), dimension(model)
-    parts = {i: CellParts(torch.zeros(settings.batches, d, dtype=torch.float64)) for i in range(len(cells))}
     tic_caps = sorted({c.rule.cap for c in cells if type(c.rule).__name__ == "TIC"})
-    target = torch.zeros(d, dtype=torch.float64)
-    tic_limits = torch.zeros(len(tic_caps), d, dtype=torch.float64)
+    totals = Totals(len(cells), dimension(model), settings.batches, 1 + len(tic_caps))
     prompts: list[dict] = []
     for p, (space, lb) in enumerate(zip(spaces, behavior, strict=True)):
         data = PromptPolicies(space, lb, token_logprobs(model, space, settings.temperature))
         kept = kept_rows(data.p_behavior, data.p_current, omit=settings.omit)
         groups = {g: draw_groups(data.p_behavior, settings.draws, g, seeded(settings.seed, delay, p, g))
                   for g in sorted({c.group_size for c in cells})}  # fmt: skip
-        block = torch.unique(torch.cat([kept, *(rows.reshape(-1) for rows in groups.values())]))  # sorted
-        scores, rows_of, tokens_of, prefix = block_scores(model, space, block, d, settings.temperature)  # (Q, d)
-        index_of = torch.full(space.mask.shape, -1, dtype=torch.long)  # (N, T) -> row of `scores`
-        index_of[rows_of, tokens_of] = prefix
-        incidence = torch.zeros(block.numel(), scores.shape[0], dtype=scores.dtype)  # (rows, Q): a row's prefixes
-        incidence[torch.searchsorted(block, rows_of), prefix] = 1.0
-        norms_sq = torch.zeros(space.size, dtype=torch.float64)
-        norms_sq[block] = (incidence @ scores).double().square().sum(-1)
-        del incidence
-        # The rules on the draws (batch columns, per-draw coefficients) and on every group of the kept responses;
-        # each column is an (N, T) weighting of the score vectors, 1/count of it (the mean over prompts).
-        columns = [data.true_coefficients(), *(data.tic_limit_coefficients(c) for c in tic_caps)]
-        exact_cells, exact_columns, mc = [], [], {}
-        for i, cell in enumerate(cells):
-            norms = norms_sq if cell.rule.needs_grad_norms else None
-            rows = groups[cell.group_size]
-            check_separable(cell.name, cell.rule, data, rows, delay, norms)
-            out = loss_gradients(cell.name, cell.rule, data, rows, delay=delay, grad_norms_sq=norms)
-            mc[i] = out.loss_grads
-            parts[i].removed_mass.append(float(out.removed_mass.mean()))
-            columns += list(batch_columns(out.loss_grads, rows, settings.batches, space.size))
-            exact = expected_coefficients(cell.name, cell.rule, data, kept, cell.group_size, delay=delay,
-                                          grad_norms_sq=norms) if cell.exact else None  # fmt: skip
-            if exact is not None:
-                exact_cells.append(i)
-                exact_columns.append(exact[0])
-                parts[i].exact_removed_mass.append(exact[1])
-                parts[i].exact_left_out.append(exact[2])
-        per_token = torch.stack(columns + exact_columns)[:, rows_of, tokens_of]  # (C, U)
-        weights = torch.zeros(per_token.shape[0], scores.shape[0], dtype=torch.float64).index_add_(1, prefix, per_token)
-        sums = (weights.to(scores.dtype) @ scores).double() / count  # (C, d)
-        target += sums[0]
-        tic_limits += sums[1 : 1 + len(tic_caps)]
-        at = 1 + len(tic_caps)
-        for i in range(len(cells)):
-            parts[i].batch_means += sums[at : at + settings.batches]
-            at += settings.batches
-        for i, vector in zip(exact_cells, sums[at:], strict=True):
-            parts[i].exact_mean = vector if parts[i].exact_mean is None else parts[i].exact_mean + vector
-
-        # Every draw's ||g||^2, from the Gram matrix of the drawn positions.
-        drawn = torch.unique(torch.cat([rows.reshape(-1) for rows in groups.values()]))
-        at_drawn = torch.unique(index_of[drawn][space.mask[drawn]])  # rows of `scores` that some draw uses
-        gram = torch.zeros(scores.shape[0], scores.shape[0], dtype=torch.float64)
-        gram[at_drawn[:, None], at_drawn[None, :]] = (scores[at_drawn] @ scores[at_drawn].T).double()
-        for i, cell in enumerate(cells):
-            parts[i].draw_norms.append(draw_norms_sq(gram, index_of, groups[cell.group_size], mc[i]))
-        del scores, gram
+        targets = [data.true_coefficients(), *(data.tic_limit_coefficients(c) for c in tic_caps)]
+        block, norms_sq = measure_prompt(model, data, groups, kept, targets, cells, settings, delay, totals,
+                                         1 / len(spaces))  # fmt: skip
         prompts.append(prompt_record(data, kept, block, norms_sq))
-        advance(f"delay {delay}: prompt {p + 1}/{count} done")
-    return delay_record(delay, prompts, target, tic_caps, tic_limits), [
-        cell_record(cell, parts[i], target, delay, prompts, settings) for i, cell in enumerate(cells)
-    ]
+        advance(f"delay {delay}: prompt {p + 1}/{len(spaces)} done")
+    target = totals.targets[0]
+    limits = {str(cap): float(vector.norm()) for cap, vector in zip(tic_caps, totals.targets[1:], strict=True)}
+    record = {**delay_record(delay, prompts, float(target.norm()), limits), "space": "enumerated"}
+    return record, [cell_record(cell, totals, i, target, delay, prompts, settings) for i, cell in enumerate(cells)]
+
+
+def measure_delay_sampled(
+    behavior_model: nn.Module,
+    model: nn.Module,
+    prompts: Sequence[tuple[str, str]],
+    tokenizer,
+    score: Callable[[list[str], str], list[float]],
+    delay: int,
+    cells: Sequence[Cell],
+    settings: Settings,
+    advance: Callable[[str], None] = lambda _: None,
+) -> tuple[dict, list[dict]]:
+    """Measure every cell on sampled responses, where the space is too large to enumerate.
+
+    Per prompt, ``draws * max G`` responses from ``theta_b`` (the groups of each ``G`` are consecutive fresh samples)
+    and ``draws * target_group`` from ``theta``, whose leave-one-out on-policy estimator (unbiased for
+    ``grad J / T``) gives ``h``'s batch means: bias, cosine and scale are then U-statistics over pairs of batches of
+    both, ``||h||`` one of ``h``'s, and the divergences Monte-Carlo means with their standard errors. No exact sums.
+    """
+    sizes = sorted({c.group_size for c in cells})
+    totals = Totals(len(cells), dimension(model), settings.batches, settings.batches)
+    records = []
+    for p, (text, answer) in enumerate(prompts):
+        prompt_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        pools = [sample_responses(policy, prompt_ids, settings.draws * size, settings.max_tokens,
+                                  tokenizer.eos_token_id, tokenizer.pad_token_id, seeded(settings.seed, delay, p, k),
+                                  settings.temperature)  # fmt: skip
+                 for k, (policy, size) in enumerate(((behavior_model, sizes[-1]), (model, settings.target_group)))]
+        space, (behavior_rows, current_rows) = sampled_space(text, answer, tokenizer, pools, score)
+        data = PromptPolicies(space, token_logprobs(behavior_model, space, settings.temperature),
+                              token_logprobs(model, space, settings.temperature))  # fmt: skip
+        groups = {g: behavior_rows[: settings.draws * g].view(settings.draws, g) for g in sizes}
+        on_policy = current_rows.view(settings.draws, settings.target_group)
+        coefficients = O.leave_one_out_advantages(space.rewards[on_policy].reshape(-1), settings.target_group)
+        coefficients = coefficients / (space.max_tokens * settings.target_group)  # (M H,): IS at delay 0, 1/(T H)
+        loss_grads = -(coefficients[:, None] * space.mask[on_policy.reshape(-1)]).view(*on_policy.shape, -1)
+        targets = list(batch_columns(loss_grads, on_policy, settings.batches, space.size))
+        _, norms_sq = measure_prompt(model, data, groups, torch.zeros(0, dtype=torch.long), targets, cells, settings,
+                                     delay, totals, 1 / len(prompts))  # fmt: skip
+        records.append(sampled_prompt_record(data, behavior_rows, current_rows, norms_sq))
+        advance(f"delay {delay}: prompt {p + 1}/{len(prompts)} done")
+    target_norm = math.sqrt(max(off_diagonal_mean(totals.targets @ totals.targets.T), 0.0))
+    record = {**delay_record(delay, records, target_norm, {}), "space": "sampled"}
+    return record, [cell_record(cell, totals, i, totals.targets, delay, records, settings)
+                    for i, cell in enumerate(cells)]  # fmt: skip
+
+
+def sampled_prompt_record(data: PromptPolicies, behavior_rows: Tensor, current_rows: Tensor, norms_sq: Tensor) -> dict:
+    """One prompt's divergences, rewards and score moment as Monte-Carlo means over the samples of each policy.
+
+    ``*_se`` entries are their standard errors; ``score_norm_max`` is the largest over the responses sampled.
+    """
+    log_rho, r = data.log_rho, data.space.rewards
+    behavior_rho = log_rho[behavior_rows].clamp(max=MISMATCH_LOG_RATIO_LIMIT)  # samples of theta_b
+
+    def mean_se(values: Tensor) -> tuple[float, float]:
+        return float(values.mean()), float(values.std() / math.sqrt(values.numel()))
+
+    out = {"prompt": data.space.prompt, "answer": data.space.answer, "responses": data.space.size,
+           "max_tokens": data.space.max_tokens, "score_norm_max": float(norms_sq.max().sqrt())}  # fmt: skip
+    for key, values in (("kl_behavior_current", -behavior_rho), ("kl_current_behavior", log_rho[current_rows]),
+                        ("chi2", torch.exp(2 * behavior_rho) - 1), ("reward_behavior", r[behavior_rows]),
+                        ("reward_current", r[current_rows]), ("score_second_moment", norms_sq[current_rows])):
+        out[key], out[f"{key}_se"] = mean_se(values)
+    return out
+
+
+class Totals:
+    """What every cell gathers over the prompts: vectors (each a prompt-weighted sum), draw norms, removed mass."""
+
+    def __init__(self, cells: int, d: int, batches: int, targets: int) -> None:
+        self.targets = torch.zeros(targets, d, dtype=torch.float64)  # h (or its batch means), Remark 8's vectors
+        self.parts = [CellParts(torch.zeros(batches, d, dtype=torch.float64)) for _ in range(cells)]
+
+
+def measure_prompt(
+    model: nn.Module,
+    data: PromptPolicies,
+    groups: dict[int, Tensor],
+    kept: Tensor,
+    targets: list[Tensor],
+    cells: Sequence[Cell],
+    settings: Settings,
+    delay: int,
+    totals: Totals,
+    weight: float,
+) -> tuple[Tensor, Tensor]:
+    """Add one prompt's share (``weight``) of every vector and its draws' squared norms to ``totals``.
+
+    ``groups``: ``G -> (M, G)`` rows drawn from the behaviour policy; ``kept``: the rows of the exact sums (empty:
+    none); ``targets``: ``(N, T)`` weightings of the score vectors to sum as they are (``grad J / T`` and Remark 8's
+    vectors, or ``h``'s batch means). Returns the rows whose scores were computed and their squared score norms.
+    """
+    space = data.space
+    block = torch.unique(torch.cat([kept, *(rows.reshape(-1) for rows in groups.values())]))  # sorted
+    scores, rows_of, tokens_of, prefix = block_scores(model, space, block, scores_dim(totals), settings.temperature)
+    index_of = torch.full(space.mask.shape, -1, dtype=torch.long)  # (N, T) -> row of `scores`
+    index_of[rows_of, tokens_of] = prefix
+    incidence = torch.zeros(block.numel(), scores.shape[0], dtype=scores.dtype)  # (rows, Q): a row's prefixes
+    incidence[torch.searchsorted(block, rows_of), prefix] = 1.0
+    norms_sq = torch.zeros(space.size, dtype=torch.float64)
+    norms_sq[block] = (incidence @ scores).double().square().sum(-1)
+    del incidence
+    # The rules on the draws (batch columns, per-draw coefficients) and on every group of the kept responses; each
+    # column is an (N, T) weighting of the score vectors.
+    columns, exact_cells, exact_columns, mc = list(targets), [], [], {}
+    for i, cell in enumerate(cells):
+        norms = norms_sq if cell.rule.needs_grad_norms else None
+        rows = groups[cell.group_size]
+        check_separable(cell.name, cell.rule, data, rows, delay, norms)
+        out = loss_gradients(cell.name, cell.rule, data, rows, delay=delay, grad_norms_sq=norms)
+        mc[i] = out.loss_grads
+        totals.parts[i].removed_mass.append(float(out.removed_mass.mean()))
+        columns += list(batch_columns(out.loss_grads, rows, settings.batches, space.size))
+        exact = expected_coefficients(cell.name, cell.rule, data, kept, cell.group_size, delay=delay,
+                                      grad_norms_sq=norms) if cell.exact and kept.numel() else None  # fmt: skip
+        if exact is not None:
+            exact_cells.append(i)
+            exact_columns.append(exact[0])
+            totals.parts[i].exact_removed_mass.append(exact[1])
+            totals.parts[i].exact_left_out.append(exact[2])
+    per_token = torch.stack(columns + exact_columns)[:, rows_of, tokens_of]  # (C, U)
+    weights = torch.zeros(per_token.shape[0], scores.shape[0], dtype=torch.float64).index_add_(1, prefix, per_token)
+    sums = (weights.to(scores.dtype) @ scores).double() * weight  # (C, d)
+    totals.targets += sums[: len(targets)]
+    at = len(targets)
+    for part in totals.parts:
+        part.batch_means += sums[at : at + settings.batches]
+        at += settings.batches
+    for i, vector in zip(exact_cells, sums[at:], strict=True):
+        part = totals.parts[i]
+        part.exact_mean = vector if part.exact_mean is None else part.exact_mean + vector
+    # Every draw's ||g||^2, from the Gram matrix of the drawn positions.
+    drawn = torch.unique(torch.cat([rows.reshape(-1) for rows in groups.values()]))
+    at_drawn = torch.unique(index_of[drawn][space.mask[drawn]])  # rows of `scores` that some draw uses
+    gram = torch.zeros(scores.shape[0], scores.shape[0], dtype=torch.float64)
+    gram[at_drawn[:, None], at_drawn[None, :]] = (scores[at_drawn] @ scores[at_drawn].T).double()
+    for i, cell in enumerate(cells):
+        totals.parts[i].draw_norms.append(draw_norms_sq(gram, index_of, groups[cell.group_size], mc[i]))
+    return block, norms_sq
+
+
+def scores_dim(totals: Totals) -> int:
+    """``d``, the number of parameters the vectors run over."""
+    return totals.targets.shape[1]
 
 
 def block_scores(model: nn.Module, space: PromptSpace, rows: Tensor, d: int, temperature: float
@@ -213,7 +317,7 @@ def prompt_record(data: PromptPolicies, kept: Tensor, block: Tensor, norms_sq: T
     }
 
 
-def delay_record(delay: int, prompts: list[dict], target: Tensor, tic_caps: list[float], tic_limits: Tensor) -> dict:
+def delay_record(delay: int, prompts: list[dict], target_norm: float, tic_limits: dict[str, float]) -> dict:
     """The delay's own numbers: divergences and reward averaged over prompts, ``||grad J / T||``, Remark 8."""
     mean = {key: sum(p[key] for p in prompts) / len(prompts)
             for key in ("kl_behavior_current", "kl_current_behavior", "chi2", "reward_behavior", "reward_current",
@@ -222,18 +326,23 @@ def delay_record(delay: int, prompts: list[dict], target: Tensor, tic_caps: list
         "delay": delay,
         **mean,
         "score_norm_max": max(p["score_norm_max"] for p in prompts),
-        "true_gradient_norm": float(target.norm()),
-        "tic_limit_bias": {str(cap): float(vector.norm()) for cap, vector in zip(tic_caps, tic_limits, strict=True)},
+        "true_gradient_norm": target_norm,
+        "tic_limit_bias": tic_limits,
         "prompts": prompts,
     }
 
 
-def cell_record(cell: Cell, parts: CellParts, target: Tensor, delay: int, prompts: list[dict],
+def cell_record(cell: Cell, totals: Totals, index: int, target: Tensor, delay: int, prompts: list[dict],
                 settings: Settings) -> dict:  # fmt: skip
-    """One cell's estimates (Monte Carlo, and exact where summed) with the paper's bounds where it has one."""
+    """One cell's estimates (Monte Carlo, and exact where summed) with the paper's bounds where it has one.
+
+    ``target`` is ``h`` (exact) or its ``(K, d)`` batch means (sampled spaces).
+    """
+    parts = totals.parts[index]
     count = len(parts.draw_norms)
     weights = torch.cat([torch.full((len(q),), 1.0 / (count * len(q)), dtype=torch.float64) for q in parts.draw_norms])
     mc = batch_statistics(parts.batch_means, target, torch.cat(parts.draw_norms), weights)
+    target_norm = math.sqrt(max(mc["target_norm_sq"].value, 0.0))
     record = {
         "rule": cell.name,
         "repr": repr(cell.rule),
@@ -243,13 +352,13 @@ def cell_record(cell: Cell, parts: CellParts, target: Tensor, delay: int, prompt
         "family": "token" if isinstance(cell.rule, TokenLevel) else "trajectory",
         "draws": settings.draws * count,
         "removed_mass": sum(parts.removed_mass) / count,
-        "mc": summary(mc, float(target.norm())),
+        "mc": summary(mc, target_norm),
         "exact": None,
         "bounds": bounds(cell, prompts, sum(parts.removed_mass) / count, settings),
     }
     if parts.exact_mean is not None:
         exact = exact_statistics(parts.exact_mean, target)
-        record["exact"] = summary(exact, float(target.norm()))
+        record["exact"] = summary(exact, target_norm)
         record["exact"]["left_out_mass"] = max(parts.exact_left_out)
         record["exact"]["removed_mass"] = sum(parts.exact_removed_mass) / count
     return record

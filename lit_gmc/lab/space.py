@@ -76,7 +76,8 @@ def all_responses(vocab_size: int, eos_id: int, pad_id: int, max_tokens: int) ->
     count = response_count(vocab_size, max_tokens)
     if count > MAX_ROWS:
         raise UserError(f"--max-tokens {max_tokens}: a vocabulary of {vocab_size} tokens gives {count:,} responses a "
-                        f"prompt, more than the {MAX_ROWS:,} the lab enumerates; lower --max-tokens")  # fmt: skip
+                        f"prompt, more than the {MAX_ROWS:,} the lab enumerates; lower --max-tokens, or sample them "
+                        "(--space sampled)")  # fmt: skip
     others = torch.tensor([t for t in range(vocab_size) if t != eos_id])
     ids, masks = [], []
     for length in range(1, max_tokens + 1):
@@ -100,11 +101,16 @@ def prompt_space(
     ids, mask = all_responses(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, max_tokens)
     texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask, strict=True)],
                                    skip_special_tokens=True)  # fmt: skip
+    return PromptSpace(prompt, answer, prompt_ids, ids, mask, scored(texts, answer, prompt, score))
+
+
+def scored(texts: list[str], answer: str, prompt: str, score: Callable[[list[str], str], list[float]]) -> Tensor:
+    """``(N,)`` float64 rewards of ``texts``; one :class:`UserError` for a wrong count or a non-finite reward."""
     rewards = torch.tensor(score(texts, answer), dtype=torch.float64)
-    if rewards.shape != (ids.shape[0],) or not torch.isfinite(rewards).all():
-        raise UserError(f"the task's score gave {tuple(rewards.shape)} rewards for {ids.shape[0]} completions of "
-                        f"{prompt!r}, or a non-finite one: it must give one finite reward per completion")  # fmt: skip
-    return PromptSpace(prompt, answer, prompt_ids, ids, mask, rewards)
+    if rewards.shape != (len(texts),) or not torch.isfinite(rewards).all():
+        raise UserError(f"the task's score gave {tuple(rewards.shape)} rewards for {len(texts)} completions of "
+                        f"{prompt!r}, or a non-finite one: it must give one finite reward per completion")
+    return rewards
 
 
 def chunks(total: int, size: int) -> Iterator[slice]:
@@ -171,3 +177,50 @@ def prefix_scores(
                 grads = gradient(params, contexts[part], keys[at[part], t])  # name -> (c, *shape)
                 scores[at[part]] = torch.cat([grads[name].flatten(1) for name in names], dim=1)
     return scores, prefix
+
+
+@torch.no_grad()
+def sample_responses(
+    model: nn.Module, prompt_ids: Tensor, count: int, max_tokens: int, eos_id: int, pad_id: int,
+    generator: torch.Generator, temperature: float = 1.0, chunk: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)``, each ``(count, T)``: responses drawn token by token from ``softmax(logits / temperature)``.
+
+    A response stops at its first EOS (kept, as the engines keep it) or at ``T`` tokens; the rest is ``pad_id``. The
+    distribution is the one :func:`token_logprobs` scores (the same logits, head precision and temperature).
+    """
+    ids_out, mask_out = [], []
+    for part in chunks(count, chunk):
+        rows = part.stop - part.start
+        ids = torch.full((rows, max_tokens), pad_id, dtype=torch.long)
+        mask = torch.zeros(rows, max_tokens, dtype=torch.bool)
+        alive = torch.ones(rows, dtype=torch.bool)
+        for t in range(max_tokens):
+            context = torch.cat([prompt_ids.expand(rows, -1), ids[:, :t]], dim=1)
+            head = model(input_ids=context, use_cache=False).logits[:, -1]
+            head = head.to(torch.promote_types(head.dtype, torch.float32)) / temperature
+            token = torch.multinomial(torch.softmax(head.double(), -1), 1, generator=generator)[:, 0]
+            ids[alive, t] = token[alive]
+            mask[alive, t] = True
+            alive &= token != eos_id
+        ids_out.append(ids)
+        mask_out.append(mask)
+    return torch.cat(ids_out), torch.cat(mask_out)
+
+
+def sampled_space(
+    prompt: str, answer: str, tokenizer, pools: list[tuple[Tensor, Tensor]],
+    score: Callable[[list[str], str], list[float]],
+) -> tuple[PromptSpace, list[Tensor]]:
+    """The distinct responses of sampled ``pools`` as a :class:`PromptSpace`, and each pool's rows in it."""
+    ids = torch.cat([pool_ids for pool_ids, _ in pools])
+    mask = torch.cat([pool_mask for _, pool_mask in pools])
+    unique, inverse = torch.unique(torch.cat([ids, mask.long()], dim=1), dim=0, return_inverse=True)
+    length = ids.shape[1]
+    space_ids, space_mask = unique[:, :length], unique[:, length:].bool()
+    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(space_ids, space_mask, strict=True)],
+                                   skip_special_tokens=True)  # fmt: skip
+    rewards = scored(texts, answer, prompt, score)
+    prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    sizes = [pool_ids.shape[0] for pool_ids, _ in pools]
+    return PromptSpace(prompt, answer, prompt_ids, space_ids, space_mask, rewards), list(torch.split(inverse, sizes))
