@@ -70,14 +70,6 @@ def positive_problem(name: str, value: float) -> list[str]:
     return [] if value > 0 and math.isfinite(value) else [f"{name}={value} must be finite and > 0"]
 
 
-def band_problems(low: float, high: float) -> list[str]:
-    """Problem lines unless ``0 < low < high < inf``: the band of ratios a masking rule keeps (IcePop, SeqMIS)."""
-    problems = positive_problem("low", low) + positive_problem("high", high)
-    if not problems and not low < high:
-        problems.append(f"low={low} must be < high={high}")
-    return problems
-
-
 def aggregation_problem(aggregation: str | None) -> list[str]:
     """A problem line unless ``aggregation`` is one of :data:`AGGREGATIONS` (or None: the rule's own)."""
     if aggregation is None or aggregation in AGGREGATIONS:
@@ -104,6 +96,10 @@ class Correction:
     threshold_option: ClassVar[str | None] = None
     """The rule's one threshold (``"cap"``, ``"clip"``, ``"c"``...): checked finite and > 0, logged as
     ``correction/eps`` at every update; None for a rule without."""
+
+    positive_options: ClassVar[tuple[str, ...]] = ()
+    """Its other options that must be finite and > 0 (GSPO's ``eps_low``); a rule with both ``low`` and ``high``
+    keeps ratios in that band, so ``low < high`` is checked too."""
 
     default_aggregation: ClassVar[O.Aggregation] = "seq_sum_over_T"
     """The aggregation its authors use, taken when ``aggregation`` is None."""
@@ -133,10 +129,14 @@ class Correction:
     def option_problems(cls, aggregation: str | None = None, **options: Any) -> list[str]:
         """Every problem with the options, one line each, named like the init args.
 
-        A finite threshold > 0 and one of :data:`AGGREGATIONS`; a rule with further options extends this.
+        The threshold and :attr:`positive_options` finite and > 0, a band ``low < high``, one of :data:`AGGREGATIONS`;
+        a rule with further options extends this.
         """
-        threshold = options.get(cls.threshold_option) if cls.threshold_option is not None else None
-        problems = [] if threshold is None else positive_problem(str(cls.threshold_option), threshold)
+        names = [name for name in dict.fromkeys((cls.threshold_option, *cls.positive_options)) if name is not None]
+        problems = [line for name in names if options.get(name) is not None
+                    for line in positive_problem(name, options[name])]  # fmt: skip
+        if not problems and {"low", "high"} <= set(options) and not options["low"] < options["high"]:
+            problems.append(f"low={options['low']} must be < high={options['high']}")
         return problems + aggregation_problem(aggregation)
 
     @property

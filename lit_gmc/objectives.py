@@ -118,6 +118,11 @@ def group_normalized_advantages(rewards: Tensor, baselines: Tensor, group_size: 
     return adv.masked_fill(tied_groups(r), 0.0).reshape(-1)  # (N,)
 
 
+def group_standardized_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """``A_i = (r_i - mean_g) / sigma_g`` (CISPO, GSPO): :func:`group_normalized_advantages` about the group's mean."""
+    return group_normalized_advantages(rewards, per_group(rewards, group_size, "rewards").mean(-1), group_size)
+
+
 def vcpo_baseline(log_w: Tensor, grad_norms_sq: Tensor, rewards: Tensor, group_size: int) -> Tensor:
     """VCPO's per-group off-policy minimum-variance baseline ``b* = sum_i W_i r_i / sum_i W_i``. Returns ``(B,)``.
 

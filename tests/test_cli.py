@@ -299,8 +299,8 @@ def test_type_errors_and_range_errors_are_reported_together():
         "  --model.max_grad_norm=x: expected float or null",
         "  --model.correction.cap=none?: expected float or null",
         "  --data.schedule.delay=soon: expected int",
-        "  --model.correction=nope is not a rule: one of A3PO, CISPO, GAC, GMC, GRPO, IS, TIC, TIS, VCPO, or a "
-        "Correction subclass's import path",
+        "  --model.correction=nope is not a rule: one of A3PO, CISPO, DPPO, GAC, GMC, GRPO, GSPO, GeoMIS, GeoTIS, IS, "
+        "IcePop, M2PO, SeqMIS, SeqTIS, TIC, TIS, VCPO, or a Correction subclass's import path",
         "  --data.batch_prompts=0 must be >= 1",
     ]
 
@@ -553,17 +553,18 @@ def test_the_private_lightning_methods_lit_gmc_overrides_are_still_called():
     assert list(inspect.signature(RichProgressBar._get_train_description).parameters) == ["self", "current_epoch"]
 
 
-def test_the_cli_offers_fit_and_export_under_its_own_name(capsys, monkeypatch):
+def test_the_cli_offers_fit_export_and_estimate_under_its_own_name(capsys, monkeypatch):
     from lit_gmc.__main__ import run
 
     with pytest.raises(SystemExit) as shown_help:
         run(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert shown_help.value.code == 0 and shown.startswith("usage: lit_gmc [-h] {fit,export} ...")
+    assert shown_help.value.code == 0 and shown.startswith("usage: lit_gmc [-h] {fit,export,estimate} ...")
     assert "fit train a policy on stale rollouts" in shown and "export write a checkpoint's policy" in shown
+    assert "estimate measure every rule's update against the true gradient" in shown
     assert main_error_line(monkeypatch, "fti") == (
-        "lit_gmc: error: fti is not a command: one of fit, export (lit-gmc --help); did you mean fit?"
+        "lit_gmc: error: fti is not a command: one of fit, export, estimate (lit-gmc --help); did you mean fit?"
     )
-    assert main_error_line(monkeypatch) == "lit_gmc: error: give a command: fit or export (lit-gmc --help)"
+    assert main_error_line(monkeypatch) == "lit_gmc: error: give a command: fit or export or estimate (lit-gmc --help)"
     with pytest.raises(UserError, match="invalid choice: 'validate' \\(choose from 'fit'\\)"):
         GMCCLI(args=["validate"])

@@ -29,8 +29,7 @@ class CISPO(TokenLevel):
 
     @override
     def advantages(self, terms: PolicyTerms, log_rho: Tensor) -> Tensor:
-        r = O.per_group(terms.rewards, terms.group_size, "rewards")  # (k, G)
-        return O.group_normalized_advantages(terms.rewards, r.mean(-1), terms.group_size)
+        return O.group_standardized_advantages(terms.rewards, terms.group_size)
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:

@@ -6,7 +6,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import PolicyTerms, aggregation_problem, positive_problem
+from lit_gmc.corrections import PolicyTerms
 from lit_gmc.rules._token_level import TokenLevel
 
 
@@ -29,19 +29,11 @@ class DPPO(TokenLevel):
     """
 
     threshold_option = "eps_high"
+    positive_options = ("eps_low",)
     default_aggregation = "token_mean"
 
     def __init__(self, eps_low: float = 0.2, eps_high: float = 0.2, aggregation: O.Aggregation | None = None) -> None:
         super().__init__(aggregation, eps_low=eps_low, eps_high=eps_high)
-
-    @classmethod
-    def option_problems(  # type: ignore[override]
-        cls, eps_low: float, eps_high: float, aggregation: str | None
-    ) -> list[str]:
-        """Every problem with DPPO's options, one line each."""
-        return positive_problem("eps_low", eps_low) + positive_problem("eps_high", eps_high) + aggregation_problem(
-            aggregation
-        )
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:

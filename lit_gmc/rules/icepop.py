@@ -6,7 +6,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import PolicyTerms, aggregation_problem, band_problems
+from lit_gmc.corrections import PolicyTerms
 from lit_gmc.rules._token_level import TokenLevel
 
 
@@ -26,17 +26,11 @@ class IcePop(TokenLevel):
     """
 
     threshold_option = "high"
+    positive_options = ("low",)
     default_aggregation = "token_mean"
 
     def __init__(self, low: float = 0.5, high: float = 5.0, aggregation: O.Aggregation | None = None) -> None:
         super().__init__(aggregation, low=low, high=high)
-
-    @classmethod
-    def option_problems(  # type: ignore[override]
-        cls, low: float, high: float, aggregation: str | None
-    ) -> list[str]:
-        """Every problem with IcePop's band, one line each."""
-        return band_problems(low, high) + aggregation_problem(aggregation)
 
     @override
     def token_loss(self, terms: PolicyTerms, coefficients: Tensor, advantages: Tensor) -> tuple[Tensor, dict]:

@@ -6,7 +6,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_gmc import objectives as O
-from lit_gmc.corrections import aggregation_problem, band_problems
 from lit_gmc.rules._sequence_ratio import SequenceRatio
 
 
@@ -24,17 +23,11 @@ class SeqMIS(SequenceRatio):
     """
 
     threshold_option = "high"
+    positive_options = ("low",)
     changed_metric = "seq_mis/masked_fraction"
 
     def __init__(self, low: float = 0.5, high: float = 2.0, aggregation: O.Aggregation | None = None) -> None:
         super().__init__(aggregation, low=low, high=high)
-
-    @classmethod
-    def option_problems(  # type: ignore[override]
-        cls, low: float, high: float, aggregation: str | None
-    ) -> list[str]:
-        """Every problem with the band, one line each."""
-        return band_problems(low, high) + aggregation_problem(aggregation)
 
     @override
     def weigh(self, log_ratio: Tensor) -> tuple[Tensor, Tensor]:
