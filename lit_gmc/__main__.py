@@ -1,5 +1,6 @@
-"""``lit-gmc fit --config configs/tiny.yaml``: train (LightningCLI); ``lit-gmc export``: checkpoint to HF folder;
-``lit-gmc estimate``: the estimator lab (:mod:`lit_gmc.lab`).
+"""``lit-gmc fit``: train (LightningCLI); ``lit-gmc export``: checkpoint to HF folder; ``lit-gmc estimate``: the lab.
+
+``lit-gmc estimate`` is the estimator lab (:mod:`lit_gmc.lab`).
 
 The command is read before anything heavy is imported, so that ``--help`` answers at once. A user's mistake
 (:class:`~lit_gmc.errors.UserError`) prints one line and exits with status 2; a run stopped by SIGTERM, once it has

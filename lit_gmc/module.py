@@ -287,7 +287,9 @@ class GMCModule(pl.LightningModule):
                 "ess": O.group_ess(log_rho, g),  # (B,)
                 "entropy": gather_ragged(entropy.detach()),  # (tokens,)
                 # log pi_theta - l of every real token: the per-token KL and chi^2 of the Diagnostics callback
-                "token_log_ratio": gather_ragged((logprobs - batch.behavior_logprobs).masked_select(batch.response_mask)),
+                "token_log_ratio": gather_ragged(
+                    (logprobs - batch.behavior_logprobs).masked_select(batch.response_mask)
+                ),
             }
         )
         # The rule's threshold and the schedule's bookkeeping (queue depth, drain flag), so callbacks need only this
