@@ -31,7 +31,8 @@ from lit_gmc.lab.measure import (
     kept_rows,
     loss_gradients,
 )
-from lit_gmc.lab.run import Cell, Settings, measure_delay, measure_delay_sampled
+from lit_gmc.lab.run import Cell, Settings, measure_delay
+from lit_gmc.lab.sampled import measure_delay_sampled
 from lit_gmc.lab.space import all_responses, prefix_scores, prompt_space, response_count, token_logprobs
 from lit_gmc.logprobs import response_logprobs
 from lit_gmc.module import GMCModule

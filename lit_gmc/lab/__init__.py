@@ -9,5 +9,7 @@ for each rule, group size ``G`` and delay, measures the rule's expected update `
   the per-token score vectors ``grad log pi_theta(y_t | x, y_<t)``;
 - :mod:`~lit_gmc.lab.measure`: a rule's per-token loss gradients ``dL/d log pi`` on drawn groups, through the rule's
   own ``__call__`` and its aggregation, and the unbiased estimates made from them;
-- :mod:`~lit_gmc.lab.report`: the table, the figures and the raw numbers.
+- :mod:`~lit_gmc.lab.run` and :mod:`~lit_gmc.lab.sampled`: one delay measured on enumerated or sampled responses;
+- :mod:`~lit_gmc.lab.policies`: the two policies, read or trained; :mod:`~lit_gmc.lab.command`: the command line;
+- :mod:`~lit_gmc.lab.report` and :mod:`~lit_gmc.lab.figures`: the table, the figures and the raw numbers.
 """

@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from lit_gmc.lab.policies import load_policy
     from lit_gmc.lab.report import write_report
-    from lit_gmc.lab.run import Cell, Settings, measure_delay, measure_delay_sampled
+    from lit_gmc.lab.run import Cell, Settings, measure_delay
+    from lit_gmc.lab.sampled import measure_delay_sampled
 
     out = Path(args.out)
     rules = rule_classes(args.rules)
