@@ -75,6 +75,24 @@ def markdown(meta: dict, records: list[dict], table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def by_delay_table(records: list[dict], cells: list[dict]) -> str:
+    """Relative bias, cosine and ``E||g||^2`` of every rule against the delay, at the largest G measured at all."""
+    delays = [r["delay"] for r in records]
+    sizes = [g for g in sorted({c["group_size"] for c in cells})
+             if all(any(c["group_size"] == g and c["delay"] == d for c in cells) for d in delays)]  # fmt: skip
+    if not sizes:
+        return ""
+    at = {(c["rule"], c["delay"]): c["mc"] for c in cells if c["group_size"] == sizes[-1]}
+    lines = [f"Relative bias / cosine / E\\|\\|g\\|\\|^2 at G = {sizes[-1]} (Monte Carlo):", "",
+             "| rule | " + " | ".join(f"delay {d}" for d in delays) + " |", "|---" * (len(delays) + 1) + "|"]
+    for rule in dict.fromkeys(c["rule"] for c in cells):
+        values = [at.get((rule, d)) for d in delays]
+        lines.append(f"| {rule} | " + " | ".join(
+            "–" if v is None else f"{fmt(v['relative_bias'], 2)} / {fmt(v['cosine']['value'], 2)} / "
+            f"{fmt(v['second_moment']['value'], 3)}" for v in values) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def write_report(out: Path, meta: dict, records: list[dict], cells: list[dict], sweep_delay: int) -> list[Path]:
     """Write ``lab.json``, ``lab.csv``, ``lab.md`` and the figures to ``out``; returns the paths."""
     from lit_gmc.lab.figures import figures
@@ -87,5 +105,5 @@ def write_report(out: Path, meta: dict, records: list[dict], cells: list[dict], 
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(table)
-    paths[2].write_text(markdown(meta, records, table))
+    paths[2].write_text(markdown(meta, records, table) + "\n" + by_delay_table(records, cells))
     return paths + figures(out, records, cells, sweep_delay)
