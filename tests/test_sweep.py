@@ -75,7 +75,7 @@ def test_d0_is_the_papers_synchronous_protocol(tmp_path):
         (["--delays", "-1"], "--delays: -1 must be >= 0"),
         (["--group-sizes", "1"], "--group-sizes: 1 must be >= 2"),
         (["--parallel", "0"], "--parallel must be >= 1"),
-        (["--methods", "nope"], "--methods: nope is not one of a3po cispo gac gmc grpo is tic tis vcpo"),
+        (["--methods", "nope"], "--methods: nope is not one of a3po cispo dppo gac geomis geotis gmc grpo gspo icepop is m2po seqmis seqtis tic tis vcpo"),
         (["--methods", "gmc", "tic", "--eps-schedule", "corollary1"], "is GMC's cap schedule: use it with --methods"),
         (["--set", "model.correction.init_args.cap=0.3"], "model.correction.init_args.cap is a grid axis"),
     ],
